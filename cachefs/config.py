@@ -1,0 +1,85 @@
+"""Mount options: parsing of human sizes, defaults, and the frozen Config every module reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+
+from .errors import UserError
+
+EXT_SIZE = 64 * 1024
+BLK_SIZE = 4096
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+MODES = ("write-through", "write-back")
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Parse '512M', '20G', '4096', '1.5G' (binary units, optional 'iB'/'B') into bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise UserError(f"{what} {text!r} is not a size (use a number with an optional "
+                        "K, M, G or T suffix, e.g. 512M or 20G).")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(nbytes: float) -> str:
+    """Human-readable binary size: 1.5 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def default_cache_root() -> str:
+    """The system's cache location: /var/cache/cachefs for root, XDG cache dir otherwise."""
+    if os.geteuid() == 0:
+        return "/var/cache/cachefs"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "cachefs")
+
+
+def default_cache_dir(backing: str) -> str:
+    """A cache directory keyed to BACKING's real path: readable name plus a short hash."""
+    real = os.path.realpath(backing)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", real).strip("-")[-40:] or "root"
+    digest = hashlib.sha256(real.encode()).hexdigest()[:10]
+    return os.path.join(default_cache_root(), f"{slug}-{digest}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    backing: str
+    mountpoint: str
+    cache_dir: str
+    mode: str = "write-through"
+    cache_size: int | None = None          # None: leave the cache filesystem 10 % free
+    promote_after: int = 2
+    sequential_cutoff: int = 4 << 20
+    dirty_high: int | None = None
+    dirty_low: int | None = None
+    max_dirty_age_s: float = 300.0
+    foreground: bool = False
+    fuse_options: tuple[str, ...] = ()
+    attr_timeout_s: float = 1.0
+    entry_timeout_s: float = 1.0
+    backing_timeout_s: float = 60.0
+    backing_threads: int = 16
+    commit_interval_s: float = 1.0
+    debug: bool = False
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise UserError(f"mode {self.mode!r} is not one of {', '.join(MODES)}.")
+        if self.cache_size is not None and self.cache_size < 16 * EXT_SIZE:
+            raise UserError(f"cache size {self.cache_size} bytes is too small: "
+                            f"the minimum is {format_size(16 * EXT_SIZE)}.")
+        if self.promote_after < 1:
+            raise UserError("--promote-after must be at least 1.")
+        if self.sequential_cutoff < 0:
+            raise UserError("--sequential-cutoff must not be negative.")
+        if self.attr_timeout_s < 0 or self.entry_timeout_s < 0 or self.backing_timeout_s <= 0:
+            raise UserError("timeouts must be positive numbers of seconds.")

@@ -1,0 +1,123 @@
+"""The in-memory extent map: which 64 KiB extents of a BACKING file are cached, and which 4 KiB
+blocks of each hold valid (equal to BACKING) data.
+
+Owns: `Extent`, `CachedFile` (per BACKING inode: identity, logical size, extent dict) and the
+bitmap arithmetic. Never does I/O: callers hold the file descriptors.
+
+A block of an extent is *valid* when the cache file holds, at the same offset, exactly the bytes
+BACKING holds there (bytes past the end of the file count as zeros). Invariant kept by the
+engine: the cache file holds zeros past the file's size, so the block holding EOF stays valid
+when the file grows.
+"""
+
+from __future__ import annotations
+
+from .config import BLK_SIZE, EXT_SIZE
+
+EXT_SHIFT = 16          # 64 KiB extents
+BLK_SHIFT = 12          # 4 KiB blocks
+BLKS_PER_EXT = EXT_SIZE // BLK_SIZE
+FULL_MASK = (1 << BLKS_PER_EXT) - 1
+
+
+def block_mask(start: int, end: int) -> int:
+    """Bitmask of the blocks touched by byte range [start, end) within one extent (0..64 KiB)."""
+    if end <= start:
+        return 0
+    b0 = start >> BLK_SHIFT
+    b1 = (end - 1) >> BLK_SHIFT
+    return ((1 << (b1 + 1)) - 1) ^ ((1 << b0) - 1)
+
+
+def covered_mask(start: int, end: int, eof_in_ext: int) -> int:
+    """Blocks whose bytes below EOF all lie inside [start, end) (offsets within one extent).
+
+    A block is covered when the range starts at or before the block and reaches its end or
+    the end of the file, whichever comes first.
+    """
+    mask = 0
+    b = (start + BLK_SIZE - 1) >> BLK_SHIFT
+    while b < BLKS_PER_EXT:
+        bs = b << BLK_SHIFT
+        be = min(bs + BLK_SIZE, max(eof_in_ext, bs + 1))
+        if bs >= end or be > end:
+            break
+        mask |= 1 << b
+        b += 1
+    return mask
+
+
+def popcount(mask: int) -> int:
+    return bin(mask).count("1")
+
+
+class Extent:
+    """One cached 64 KiB extent: its valid and dirty block bitmaps and eviction bookkeeping."""
+
+    __slots__ = ("ino", "ext", "valid", "dirty", "gen", "freq", "queue")
+
+    def __init__(self, ino: int, ext: int, valid: int = 0, dirty: int = 0):
+        self.ino = ino
+        self.ext = ext
+        self.valid = valid
+        self.dirty = dirty
+        self.gen = 0          # bumped whenever the extent's data changes under a pending await
+        self.freq = 0         # S3-FIFO access counter, 0..3
+        self.queue = None     # which eviction queue holds it (policy's business)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.ino, self.ext)
+
+
+class CachedFile:
+    """Cache state of one BACKING inode.
+
+    `identity` is (st_ino, size, mtime_ns, ctime_ns) of BACKING as last seen by cachefs; the
+    cached extents are valid for that identity only. `size` is the file's size as known to the
+    engine (the hit path clips reads to it).
+    """
+
+    __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
+                 "fills", "writes_inflight", "doomed")
+
+    def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
+        self.ino = ino
+        self.identity = identity
+        self.size = identity[1] if identity else 0
+        self.extents: dict[int, Extent] = {}
+        self.cache_fd = -1
+        self.open_count = 0
+        self.fills: dict[int, bool] = {}   # ext -> clobbered, for promotions in flight
+        self.writes_inflight = 0
+        self.doomed = False                # last link removed: drop at the last release
+
+    def covers(self, off: int, end: int) -> bool:
+        """True if every block of [off, end) is valid; counts the access for eviction."""
+        e = off >> EXT_SHIFT
+        last = (end - 1) >> EXT_SHIFT
+        extents = self.extents
+        while e <= last:
+            x = extents.get(e)
+            if x is None:
+                return False
+            base = e << EXT_SHIFT
+            s = off - base if off > base else 0
+            t = end - base if end - base < EXT_SIZE else EXT_SIZE
+            m = block_mask(s, t)
+            if x.valid & m != m:
+                return False
+            if x.freq < 3:
+                x.freq += 1
+            e += 1
+        return True
+
+    def clobber(self, first_ext: int, last_ext: int) -> None:
+        """Mark promotions in flight for extents first..last (inclusive) as overtaken."""
+        if self.fills:
+            for e in self.fills:
+                if first_ext <= e <= last_ext:
+                    self.fills[e] = True
+
+    def cached_bytes(self) -> int:
+        return len(self.extents) * EXT_SIZE

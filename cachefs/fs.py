@@ -1,0 +1,376 @@
+"""The pyfuse3 `Operations`: translates FUSE requests into engine and BACKING calls.
+
+Owns request translation and the single errno mapping: the only place that raises FUSEError.
+Never runs SQL or touches extent state; BACKING syscalls run through `Backing` (threads with
+a limiter and timeouts), cache data through `Cache`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat as stat_mod
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from . import backing as bk
+from .backing import Backing
+from .cache import Cache, OpenFile
+from .config import Config
+from .inodes import ROOT_INODE, InodeTable
+
+log = logging.getLogger("cachefs.fs")
+
+CONTROL_XATTR = b"user.cachefs.control"
+BLKSIZE = 128 * 1024
+
+
+def to_fuse_error(exc: OSError) -> FUSEError:
+    return FUSEError(exc.errno or errno.EIO)
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, cfg: Config, cache: Cache, backing: Backing, inodes: InodeTable,
+                 control_path: str):
+        super().__init__()
+        self._cfg = cfg
+        self._cache = cache
+        self._backing = backing
+        self._inodes = inodes
+        self._control_path = os.fsencode(control_path)
+        self._open: dict[int, OpenFile] = {}
+        self._dirs: dict[int, tuple[int, list]] = {}
+        self._next_fh = 1
+        self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _attr(self, st: os.stat_result, ino: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = self._cfg.entry_timeout_s
+        a.attr_timeout = self._cfg.attr_timeout_s
+        a.st_mode = st.st_mode
+        a.st_nlink = st.st_nlink
+        a.st_uid = st.st_uid
+        a.st_gid = st.st_gid
+        a.st_rdev = st.st_rdev
+        a.st_size = st.st_size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = st.st_blocks
+        a.st_atime_ns = st.st_atime_ns
+        a.st_mtime_ns = st.st_mtime_ns
+        a.st_ctime_ns = st.st_ctime_ns
+        return a
+
+    def _fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def _path(self, ino: int) -> bytes:
+        try:
+            return self._inodes.path(ino)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+    def _entry(self, parent: int, name: bytes, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        ino = self._inodes.remember(parent, name, st)
+        self._cache.attributes_seen(ino, st)
+        return self._attr(st, ino)
+
+    def kernel_invalidate(self, ino: int) -> None:
+        """Ask the kernel to drop its cached pages and attributes of `ino` (from the engine)."""
+        try:
+            self._inval_send.send_nowait(ino)
+        except trio.WouldBlock:
+            log.warning("kernel invalidation queue full; inode %d may be cached until its "
+                        "attribute timeout", ino)
+
+    async def run_invalidator(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async for ino in self._inval_recv:
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+            except OSError as exc:              # ENOENT: the kernel no longer knows the inode
+                if exc.errno not in (errno.ENOENT, errno.EBADF):
+                    log.warning("kernel invalidation of inode %d failed: %s", ino, exc)
+
+    # -- namespace -----------------------------------------------------------------------
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        try:
+            st = await self._backing.lstat(self._inodes.child_path(parent_inode, name))
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        return self._entry(parent_inode, name, st)
+
+    async def forget(self, inode_list):
+        for ino, nlookup in inode_list:
+            self._inodes.forget(ino, nlookup)
+            self._cache.forget(ino)
+
+    async def getattr(self, inode, ctx=None):
+        path = self._path(inode)
+        try:
+            st = await self._backing.lstat(path)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        self._cache.attributes_seen(inode, st)
+        return self._attr(st, inode)
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        path = self._path(inode)
+        of = self._open.get(fh) if fh is not None else None
+        fd = of.backing_fd if of is not None and of.flags & os.O_ACCMODE != os.O_RDONLY else None
+        try:
+            if fields.update_size:
+                await self._cache.truncate(inode, attr.st_size, path, fd)
+            mode = stat_mod.S_IMODE(attr.st_mode) if fields.update_mode else None
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            times = None
+            if fields.update_atime or fields.update_mtime:
+                times = (attr.st_atime_ns if fields.update_atime else None,
+                         attr.st_mtime_ns if fields.update_mtime else None)
+            st = await self._backing.write_call(bk.setattr, path, fd, mode, uid, gid, times)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        self._cache.own_metadata_change(inode, st)
+        return self._attr(st, inode)
+
+    async def readlink(self, inode, ctx):
+        try:
+            return await self._backing.read_call("readlink", os.readlink, self._path(inode))
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        parent = self._path(parent_inode)
+        try:
+            st = await self._backing.write_call(bk.mknod, parent + b"/" + name, mode, rdev,
+                                                ctx.uid, ctx.gid, parent)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        return self._entry(parent_inode, name, st)
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        parent = self._path(parent_inode)
+        try:
+            st = await self._backing.write_call(bk.mkdir, parent + b"/" + name, mode,
+                                                ctx.uid, ctx.gid, parent)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        return self._entry(parent_inode, name, st)
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        parent = self._path(parent_inode)
+        try:
+            st = await self._backing.write_call(bk.symlink, target, parent + b"/" + name,
+                                                ctx.uid, ctx.gid, parent)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        return self._entry(parent_inode, name, st)
+
+    async def unlink(self, parent_inode, name, ctx):
+        path = self._path(parent_inode) + b"/" + name
+        try:
+            st = await self._backing.write_call(bk.unlink, path)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        self._inodes.unlinked(parent_inode, name)
+        if st.st_nlink <= 1 and stat_mod.S_ISREG(st.st_mode):
+            self._cache.last_link_removed(self._inodes.ino_of(st))
+
+    async def rmdir(self, parent_inode, name, ctx):
+        try:
+            await self._backing.write_call(os.rmdir, self._path(parent_inode) + b"/" + name)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        self._inodes.unlinked(parent_inode, name)
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE):
+            raise FUSEError(errno.EINVAL)
+        old = self._path(parent_inode_old) + b"/" + name_old
+        new = self._path(parent_inode_new) + b"/" + name_new
+        try:
+            replaced, st = await self._backing.write_call(bk.rename, old, new, flags)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
+        self._inodes.renamed(parent_inode_old, name_old, parent_inode_new, name_new, exchange)
+        self._cache.own_metadata_change(self._inodes.ino_of(st), st)
+        if (replaced is not None and not exchange and replaced.st_nlink <= 1
+                and stat_mod.S_ISREG(replaced.st_mode) and replaced.st_ino != st.st_ino):
+            self._cache.last_link_removed(self._inodes.ino_of(replaced))
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        new = self._path(new_parent_inode) + b"/" + new_name
+        try:
+            st = await self._backing.write_call(bk.link, self._path(inode), new)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        self._cache.own_metadata_change(inode, st)
+        return self._entry(new_parent_inode, new_name, st)
+
+    # -- files ---------------------------------------------------------------------------
+
+    def _file_info(self, of: OpenFile, keep_cache: bool) -> pyfuse3.FileInfo:
+        direct = bool(of.flags & getattr(os, "O_DIRECT", 0))
+        return pyfuse3.FileInfo(fh=of.fh, direct_io=direct, keep_cache=keep_cache and not direct,
+                                nonseekable=False)
+
+    async def open(self, inode, flags, ctx):
+        path = self._path(inode)
+        fh = self._fh()
+        try:
+            of, keep = await self._cache.open(fh, inode, path, flags)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        self._open[fh] = of
+        return self._file_info(of, keep)
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        parent = self._path(parent_inode)
+        fh = self._fh()
+        try:
+            of, st = await self._cache.create(fh, parent + b"/" + name, flags, mode,
+                                              ctx.uid, ctx.gid, parent,
+                                              lambda st: self._inodes.remember(parent_inode,
+                                                                               name, st))
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        self._open[fh] = of
+        return self._file_info(of, True), self._attr(st, of.ino)
+
+    async def read(self, fh, off, size):
+        of = self._open[fh]
+        try:
+            data = of.read_hit(off, size)
+            if data is None:
+                data = await self._cache.read_miss(of, off, size)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        return data
+
+    async def write(self, fh, off, buf):
+        try:
+            return await self._cache.write(self._open[fh], off, buf)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+    async def flush(self, fh):
+        pass
+
+    async def release(self, fh):
+        of = self._open.pop(fh)
+        fd = self._cache.release(of)
+        try:
+            await self._backing.write_call(os.close, fd)
+        except OSError as exc:
+            log.warning("closing a BACKING file failed: %s", exc)
+
+    async def fsync(self, fh, datasync):
+        of = self._open[fh]
+        try:
+            await self._backing.write_call(os.fdatasync if datasync else os.fsync,
+                                           of.backing_fd)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+    # -- directories ---------------------------------------------------------------------
+
+    async def opendir(self, inode, ctx):
+        path = self._path(inode)
+        try:
+            entries = await self._backing.read_call("readdir", bk.scandir, path)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        fh = self._fh()
+        self._dirs[fh] = (inode, entries)
+        return fh
+
+    async def readdir(self, fh, start_id, token):
+        parent, entries = self._dirs[fh]
+        for i in range(start_id, len(entries)):
+            name, st = entries[i]
+            ino = self._inodes.ino_of(st)
+            if not pyfuse3.readdir_reply(token, name, self._attr(st, ino), i + 1):
+                break
+            self._inodes.remember(parent, name, st)
+
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    async def fsyncdir(self, fh, datasync):
+        inode, _ = self._dirs[fh]
+        try:
+            await self._backing.write_call(bk.fsync_path, self._path(inode), datasync)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+    async def statfs(self, ctx):
+        try:
+            sv = await self._backing.read_call("statfs", os.statvfs, self._inodes.root_path)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        out = pyfuse3.StatvfsData()
+        for field in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                      "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, field, getattr(sv, field))
+        return out
+
+    # -- extended attributes -------------------------------------------------------------
+
+    async def getxattr(self, inode, name, ctx):
+        if inode == ROOT_INODE and name == CONTROL_XATTR:
+            return self._control_path
+        try:
+            return await self._backing.read_call("getxattr", _getxattr, self._path(inode), name)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+    async def listxattr(self, inode, ctx):
+        try:
+            names = await self._backing.read_call("listxattr", _listxattr, self._path(inode))
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+        return [os.fsencode(n) for n in names]
+
+    async def setxattr(self, inode, name, value, ctx):
+        if inode == ROOT_INODE and name == CONTROL_XATTR:
+            raise FUSEError(errno.EPERM)
+        try:
+            await self._backing.write_call(_setxattr, self._path(inode), name, value)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+    async def removexattr(self, inode, name, ctx):
+        try:
+            await self._backing.write_call(_removexattr, self._path(inode), name)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
+
+def _getxattr(path: bytes, name: bytes) -> bytes:
+    return os.getxattr(path, name, follow_symlinks=False)
+
+
+def _listxattr(path: bytes) -> list[str]:
+    return os.listxattr(path, follow_symlinks=False)
+
+
+def _setxattr(path: bytes, name: bytes, value: bytes) -> None:
+    os.setxattr(path, name, value, 0, follow_symlinks=False)
+
+
+def _removexattr(path: bytes, name: bytes) -> None:
+    os.removexattr(path, name, follow_symlinks=False)

@@ -1,0 +1,119 @@
+"""Inode numbers <-> BACKING paths, lookup counts, forget, rename.
+
+FUSE inode numbers are BACKING's st_ino (BACKING's root is ROOT_INODE), so hard links share an
+inode and cached data, and numbers are stable across remounts. Each inode remembers the
+directory entries (parent inode, name) it is known under; a path is rebuilt by walking up to
+the root, so renaming a directory needs no update of its descendants.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+ROOT_INODE = 1
+
+
+class Inode:
+    __slots__ = ("ino", "names", "lookups", "is_dir")
+
+    def __init__(self, ino: int, is_dir: bool):
+        self.ino = ino
+        self.names: list[tuple[int, bytes]] = []
+        self.lookups = 0
+        self.is_dir = is_dir
+
+
+class InodeTable:
+    def __init__(self, backing: str, root_st: os.stat_result):
+        self.root_path = os.fsencode(backing)
+        self.root_st_ino = root_st.st_ino
+        self._inodes: dict[int, Inode] = {ROOT_INODE: Inode(ROOT_INODE, True)}
+        self._entries: dict[tuple[int, bytes], int] = {}      # (parent, name) -> ino
+
+    def __len__(self) -> int:
+        return len(self._inodes)
+
+    def ino_of(self, st: os.stat_result) -> int:
+        return ROOT_INODE if st.st_ino == self.root_st_ino else st.st_ino
+
+    def path(self, ino: int) -> bytes:
+        """BACKING path of an inode; raises ENOENT (OSError) for an unknown inode."""
+        if ino == ROOT_INODE:
+            return self.root_path
+        parts = []
+        seen = 0
+        while ino != ROOT_INODE:
+            node = self._inodes.get(ino)
+            if node is None or not node.names:
+                raise OSError(errno.ENOENT, "stale inode")
+            ino, name = node.names[0]
+            parts.append(name)
+            seen += 1
+            if seen > 4096:
+                raise OSError(errno.ELOOP, "inode path loop")
+        parts.append(self.root_path)
+        return b"/".join(reversed(parts))
+
+    def child_path(self, parent: int, name: bytes) -> bytes:
+        return self.path(parent) + b"/" + name
+
+    def remember(self, parent: int, name: bytes, st: os.stat_result, lookup: bool = True) -> int:
+        """Record that (parent, name) refers to the inode `st`; count one lookup if asked."""
+        ino = self.ino_of(st)
+        node = self._inodes.get(ino)
+        if node is None:
+            node = self._inodes[ino] = Inode(ino, (st.st_mode & 0o170000) == 0o040000)
+        if ino != ROOT_INODE:
+            entry = (parent, name)
+            old = self._entries.get(entry)
+            if old != ino:
+                if old is not None:
+                    self._drop_entry(entry)
+                if node.is_dir:
+                    for stale in node.names:          # a directory has one name
+                        self._entries.pop(stale, None)
+                    node.names = []
+                node.names.append(entry)
+                self._entries[entry] = ino
+        if lookup:
+            node.lookups += 1
+        return ino
+
+    def forget(self, ino: int, nlookup: int) -> None:
+        node = self._inodes.get(ino)
+        if node is None or ino == ROOT_INODE:
+            return
+        node.lookups -= nlookup
+        if node.lookups <= 0:
+            for entry in node.names:
+                if self._entries.get(entry) == ino:
+                    del self._entries[entry]
+            del self._inodes[ino]
+
+    def _drop_entry(self, entry: tuple[int, bytes]) -> int | None:
+        ino = self._entries.pop(entry, None)
+        node = self._inodes.get(ino) if ino is not None else None
+        if node is not None and entry in node.names:
+            node.names.remove(entry)
+        return ino
+
+    def unlinked(self, parent: int, name: bytes) -> None:
+        """Forget the entry (parent, name) (its inode stays until the kernel forgets it)."""
+        self._drop_entry((parent, name))
+
+    def child(self, parent: int, name: bytes) -> int | None:
+        """The inode known under (parent, name), if any."""
+        return self._entries.get((parent, name))
+
+    def renamed(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+                exchange: bool = False) -> None:
+        old_entry, new_entry = (old_parent, old_name), (new_parent, new_name)
+        moved = self._drop_entry(old_entry)
+        other = self._drop_entry(new_entry)
+        if moved is not None:
+            self._inodes[moved].names.append(new_entry)
+            self._entries[new_entry] = moved
+        if exchange and other is not None:
+            self._inodes[other].names.append(old_entry)
+            self._entries[old_entry] = other

@@ -1,0 +1,273 @@
+"""Mount lifecycle: validation, cache directory, recovery, the trio nursery, pyfuse3, signals,
+shutdown.
+
+Order at start: validate options and paths (UserError for every user mistake), lock the cache
+directory, open the store and load the extent map, start services, mount FUSE, then report
+ready (to the waiting `cachefs mount`, and to systemd). Order at stop: the FUSE loop ends ->
+services stop -> a durable commit of all metadata (shielded) -> the store closes clean.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import socket
+import stat
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from .backing import Backing
+from .cache import Cache
+from .config import EXT_SIZE, Config, format_size
+from .control import ControlServer
+from .errors import UserError
+from .fs import Operations
+from .inodes import InodeTable
+from .stats import Stats
+from .store import MetadataStore
+
+log = logging.getLogger("cachefs")
+
+MIN_FREE_FRACTION = 0.10
+
+
+def _inside(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def check_paths(cfg: Config) -> None:
+    """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
+    cfg.validate()
+    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise UserError(f"{what} {path} is a dead FUSE mount (transport endpoint is "
+                                f"not connected); run fusermount3 -u {path} first.") from None
+        if not os.path.exists(path):
+            raise UserError(f"{what} {path} does not exist.")
+        if not os.path.isdir(path):
+            raise UserError(f"{what} {path} is not a directory.")
+    if os.path.ismount(cfg.mountpoint) and _is_fuse_mount(cfg.mountpoint):
+        raise UserError(f"MOUNTPOINT {cfg.mountpoint} is already mounted "
+                        "(unmount it first with cachefs umount).")
+    if _inside(cfg.backing, cfg.mountpoint) or _inside(cfg.mountpoint, cfg.backing):
+        raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
+                        "contain each other.")
+    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
+        if _inside(cfg.cache_dir, path):
+            raise UserError(f"the cache directory {cfg.cache_dir} is inside {what} {path}; "
+                            "it must be on the fast local disk, outside both.")
+    if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
+        raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
+    if not os.path.exists("/dev/fuse"):
+        raise UserError("/dev/fuse does not exist: load the fuse kernel module "
+                        "(modprobe fuse) or run where FUSE is available.")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise UserError("no permission to open /dev/fuse: run as root or add the user to "
+                        "the group that owns /dev/fuse.")
+    if shutil.which("fusermount3") is None and os.geteuid() != 0:
+        raise UserError("fusermount3 is not installed (apt-get install fuse3).")
+
+
+def _is_fuse_mount(path: str) -> bool:
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and _unescape(fields[1]) == real:
+                    return True
+    except OSError:
+        return True
+    return False
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def prepare_cache_dir(cfg: Config) -> None:
+    try:
+        os.makedirs(os.path.join(cfg.cache_dir, "data"), mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the cache directory {cfg.cache_dir}: "
+                        f"{exc.strerror}.") from None
+    if not os.access(cfg.cache_dir, os.W_OK):
+        raise UserError(f"the cache directory {cfg.cache_dir} is not writable.")
+
+
+def lock_cache_dir(cache_dir: str) -> int:
+    """Take the one-instance-per-cache-dir lock; the fd stays open for the daemon's life."""
+    path = os.path.join(cache_dir, "lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"the cache directory {cache_dir} is in use by another cachefs "
+                        f"(pid {owner}); one instance may use a cache directory.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def cache_capacity(cfg: Config, cached_bytes: int) -> int:
+    """The pool size in bytes: --cache-size, or what keeps the cache filesystem 10 % free."""
+    sv = os.statvfs(cfg.cache_dir)
+    total = sv.f_blocks * sv.f_frsize
+    avail = sv.f_bavail * sv.f_frsize
+    if cfg.cache_size is not None:
+        if cfg.cache_size > total:
+            raise UserError(f"--cache-size {format_size(cfg.cache_size)} is larger than the "
+                            f"cache filesystem ({format_size(total)}).")
+        return cfg.cache_size
+    size = avail + cached_bytes - int(total * MIN_FREE_FRACTION)
+    if size < 16 * EXT_SIZE:
+        raise UserError(f"the cache filesystem of {cfg.cache_dir} has less than "
+                        f"{MIN_FREE_FRACTION:.0%} free ({format_size(avail)} available); "
+                        "free space or give --cache-size.")
+    return size
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about our state, if it is listening."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        s.sendall(message.encode())
+
+
+def fuse_options(cfg: Config) -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts.add(f"fsname={os.path.realpath(cfg.backing)}")
+    opts.add("subtype=cachefs")
+    if os.geteuid() == 0:
+        opts.add("allow_other")
+    if cfg.debug:
+        opts.add("debug")
+    opts.update(cfg.fuse_options)
+    return opts
+
+
+class Daemon:
+    """One mounted cachefs: owns the services and their shutdown order."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.stats = Stats()
+        self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s)
+        self.store = MetadataStore(cfg.cache_dir)
+        self.control_path = os.path.join(cfg.cache_dir, "control.sock")
+        self.clean_start = True
+        self.cache: Cache | None = None
+        self.ops: Operations | None = None
+
+    def open(self) -> None:
+        root_st = os.stat(self.cfg.backing)
+        self.clean_start = self.store.open(os.path.realpath(self.cfg.backing), root_st)
+        if not self.clean_start:
+            log.warning("the last stop of this cache was not clean; cached data is "
+                        "revalidated against BACKING as files are opened")
+        self.store.set_meta("mode", self.cfg.mode)
+        capacity = cache_capacity(self.cfg, 0) // EXT_SIZE
+        self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity,
+                           on_stale=lambda ino: self.ops.kernel_invalidate(ino))
+        self.cache.load()
+        inodes = InodeTable(self.cfg.backing, root_st)
+        self.ops = Operations(self.cfg, self.cache, self.backing, inodes, self.control_path)
+        log.info("cache %s: %s for %s, %d extents (%s) warm", self.cfg.cache_dir,
+                 format_size(capacity * EXT_SIZE), self.cfg.backing, len(self.cache.pool),
+                 format_size(self.cache.used_bytes()))
+
+    async def stats_cmd(self, request: dict, progress) -> dict:
+        return {"stats": self.snapshot()}
+
+    def snapshot(self) -> dict:
+        return {
+            "backing": self.cfg.backing, "mountpoint": self.cfg.mountpoint,
+            "cache_dir": self.cfg.cache_dir, "mode": self.cfg.mode, "pid": os.getpid(),
+            **self.cache.status(), **self.stats.snapshot(),
+        }
+
+    async def drop_cmd(self, request: dict, progress) -> dict:
+        n = self.cache.drop_clean()
+        await self.cache.persist()
+        return {"dropped_extents": n, "dropped_bytes": n * EXT_SIZE}
+
+    async def pid_cmd(self, request: dict, progress) -> dict:
+        return {"pid": os.getpid()}
+
+    async def serve(self, ready: Callable[[str | None], None]) -> None:
+        control = ControlServer(self.control_path, {
+            "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd})
+        mounted = False
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(control.run)
+                await nursery.start(self.cache.run_promoter)
+                await nursery.start(self.cache.run_persister)
+                await nursery.start(self.ops.run_invalidator)
+                try:
+                    pyfuse3.init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
+                except RuntimeError as exc:
+                    raise UserError(f"mounting {self.cfg.mountpoint} failed ({exc}); see "
+                                    "the messages above.") from None
+                mounted = True
+                nursery.start_soon(self._signals)
+                ready(None)
+                sd_notify("READY=1")
+                log.info("mounted %s on %s (%s)", self.cfg.backing, self.cfg.mountpoint,
+                         self.cfg.mode)
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+        finally:
+            if mounted:
+                pyfuse3.close(unmount=True)
+            with trio.CancelScope(shield=True):
+                sd_notify("STOPPING=1")
+                await self.cache.persist(durable=True)
+            self.store.close(clean=True)
+            log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for signum in sigs:
+                log.info("signal %d: unmounting", signum)
+                pyfuse3.terminate()
+                return
+
+
+def run(cfg: Config, ready: Callable[[str | None], None]) -> int:
+    """Run a mount in this process until it is unmounted; returns the exit status."""
+    try:
+        check_paths(cfg)
+        prepare_cache_dir(cfg)
+        lock_fd = lock_cache_dir(cfg.cache_dir)
+        daemon = Daemon(cfg)
+        daemon.open()
+    except UserError as exc:
+        ready(str(exc))
+        raise
+    os.umask(0)
+    try:
+        trio.run(daemon.serve, ready)
+    except UserError as exc:
+        ready(str(exc))
+        raise
+    finally:
+        os.close(lock_fd)
+    return 0

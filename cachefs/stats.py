@@ -1,0 +1,32 @@
+"""Counters of the engine. Plain integer attributes so the hit path counts with `+= 1`;
+`snapshot()` derives ratios and gauges for `cachefs-ctl stats`."""
+
+from __future__ import annotations
+
+import time
+
+COUNTERS = (
+    "read_ops", "read_bytes",              # every read request answered
+    "hit_ops", "hit_bytes",                # answered from the SSD
+    "miss_ops", "miss_bytes",              # answered from BACKING (not sequential)
+    "bypass_ops", "bypass_bytes",          # sequential stream past the cutoff, from BACKING
+    "write_ops", "write_bytes",
+    "backing_read_ops", "backing_read_bytes", "backing_write_ops", "backing_write_bytes",
+    "promotions", "promotions_dropped", "evictions",
+    "stale_files", "backing_errors", "cache_errors",
+)
+
+
+class Stats:
+    def __init__(self):
+        for name in COUNTERS:
+            setattr(self, name, 0)
+        self.started_s = time.monotonic()
+
+    def snapshot(self) -> dict:
+        out = {name: getattr(self, name) for name in COUNTERS}
+        out["hit_ratio"] = round(self.hit_ops / self.read_ops, 4) if self.read_ops else 0.0
+        out["byte_hit_ratio"] = (round(self.hit_bytes / self.read_bytes, 4)
+                                 if self.read_bytes else 0.0)
+        out["uptime_s"] = round(time.monotonic() - self.started_s, 1)
+        return out

@@ -1,0 +1,176 @@
+"""The durable record of the cache: SQLite schema, migrations, batched persistence, recovery.
+
+Owns the one SQLite connection (used from the trio thread only). The in-memory extent map is
+the hot index; this module only receives queued changes and commits them in batches, so no
+SQL runs per request. Durability order (DESIGN.md §4): cache data is fdatasync'd before the
+commit that claims it; SSD space of an evicted extent is released (hole punched) only after
+the commit that forgets it is durable.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+
+from .errors import UserError
+
+SCHEMA_VERSION = 1
+
+# meta: key/value facts about this cache directory.
+#   backing      real path of the BACKING directory this cache belongs to
+#   backing_dev  st_dev:st_ino of BACKING's root when the cache was created (informational)
+#   clean        '1' after a clean unmount, '0' while mounted (an unclean stop leaves '0')
+#   mode         the mode of the last mount
+# files: one row per BACKING inode with cached data.
+#   ino          BACKING st_ino (also the FUSE inode number and the cache file's name)
+#   size, mtime_ns, ctime_ns   BACKING's identity when the extents below were valid; a file
+#                whose identity differs when next seen has all its extents dropped
+# extents: one row per cached 64 KiB extent.
+#   ext          extent index: bytes [ext*64 KiB, (ext+1)*64 KiB)
+#   valid        bitmap of 4 KiB blocks holding BACKING's bytes (bit i = block i)
+#   dirty        bitmap of blocks newer than BACKING (write-back; 0 in write-through)
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (
+    ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS extents (
+    ino INTEGER NOT NULL, ext INTEGER NOT NULL,
+    valid INTEGER NOT NULL, dirty INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (ino, ext)) WITHOUT ROWID;
+"""
+
+
+class MetadataStore:
+    """Schema and batched persistence for one cache directory."""
+
+    def __init__(self, cache_dir: str):
+        self.cache_dir = cache_dir
+        self.path = os.path.join(cache_dir, "cachefs.db")
+        self._db: sqlite3.Connection | None = None
+        self._dropped: set[int] = set()                # files whose rows go first
+        self._files: dict[int, tuple[int, int, int]] = {}
+        self._extents: dict[tuple[int, int], tuple[int, int] | None] = {}
+        self.commits = 0
+        self.last_commit_s = 0.0
+
+    # -- opening -------------------------------------------------------------------------
+
+    def open(self, backing_real: str, backing_root: os.stat_result) -> bool:
+        """Open or create the database; returns True if the last stop was clean.
+
+        Raises UserError if the database is corrupt or belongs to another BACKING.
+        """
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise UserError(f"the cache directory {self.cache_dir} was written by a newer "
+                                f"cachefs (schema {version}); upgrade cachefs or use another "
+                                "--cache-dir.")
+            db.executescript(_SCHEMA)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            meta = dict(db.execute("SELECT key, value FROM meta"))
+        except sqlite3.DatabaseError as exc:
+            raise UserError(f"the metadata database {self.path} is corrupt or unreadable "
+                            f"({exc}); move the cache directory away to start a cold cache."
+                            ) from None
+        owner = meta.get("backing")
+        if owner is not None and owner != backing_real:
+            db.close()
+            raise UserError(f"the cache directory {self.cache_dir} belongs to BACKING {owner}, "
+                            f"not {backing_real}; choose another --cache-dir.")
+        clean = meta.get("clean", "1") == "1"
+        with db:
+            db.execute("BEGIN")
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
+                ("backing", backing_real),
+                ("backing_dev", f"{backing_root.st_dev}:{backing_root.st_ino}"),
+                ("clean", "0"),
+            ])
+        self._db = db
+        return clean
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def load(self) -> tuple[dict[int, tuple[int, int, int]], list[tuple[int, int, int, int]]]:
+        """All files (ino -> (size, mtime_ns, ctime_ns)) and extents (ino, ext, valid, dirty)."""
+        files = {ino: (size, mt, ct) for ino, size, mt, ct in
+                 self._db.execute("SELECT ino, size, mtime_ns, ctime_ns FROM files")}
+        extents = list(self._db.execute("SELECT ino, ext, valid, dirty FROM extents"))
+        return files, extents
+
+    # -- queueing (sync, cheap, called by the engine) ------------------------------------
+
+    def queue_file(self, ino: int, size: int, mtime_ns: int, ctime_ns: int) -> None:
+        self._files[ino] = (size, mtime_ns, ctime_ns)
+
+    def queue_drop_file(self, ino: int) -> None:
+        """Forget a file and all its extents (a later queue_file starts it afresh)."""
+        self._dropped.add(ino)
+        self._files.pop(ino, None)
+        for key in [k for k in self._extents if k[0] == ino]:
+            del self._extents[key]
+
+    def queue_extent(self, ino: int, ext: int, valid: int, dirty: int) -> None:
+        self._extents[(ino, ext)] = (valid, dirty)
+
+    def queue_drop_extent(self, ino: int, ext: int) -> None:
+        self._extents[(ino, ext)] = None
+
+    def pending(self) -> int:
+        return len(self._dropped) + len(self._files) + len(self._extents)
+
+    # -- committing ----------------------------------------------------------------------
+
+    def take_batch(self) -> tuple[set, dict, dict]:
+        """Detach the queued changes; the caller syncs their data, then calls commit()."""
+        batch = (self._dropped, self._files, self._extents)
+        self._dropped, self._files, self._extents = set(), {}, {}
+        return batch
+
+    def commit(self, batch: tuple[set, dict, dict], durable: bool) -> None:
+        """Write one batch in one transaction; `durable` makes the commit survive power loss."""
+        dropped, files, extents = batch
+        db = self._db
+        if durable:
+            db.execute("PRAGMA synchronous=FULL")
+        try:
+            db.execute("BEGIN")
+            if dropped:
+                db.executemany("DELETE FROM extents WHERE ino=?", [(i,) for i in dropped])
+                db.executemany("DELETE FROM files WHERE ino=?", [(i,) for i in dropped])
+            db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)",
+                           [(ino, *v) for ino, v in files.items()])
+            db.executemany("DELETE FROM extents WHERE ino=? AND ext=?",
+                           [k for k, v in extents.items() if v is None])
+            db.executemany("INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?)",
+                           [(*k, *v) for k, v in extents.items() if v is not None])
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        finally:
+            if durable:
+                db.execute("PRAGMA synchronous=NORMAL")
+        self.commits += 1
+        self.last_commit_s = time.monotonic()
+
+    def close(self, clean: bool) -> None:
+        if self._db is None:
+            return
+        if clean:
+            self._db.execute("PRAGMA synchronous=FULL")
+            self.set_meta("clean", "1")
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
+        self._db = None

@@ -1,0 +1,66 @@
+"""Client side of the control channel: find a mount's socket and talk JSON lines to it."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+from typing import Callable, Iterator
+
+from cachefs.errors import UserError
+
+CONTROL_XATTR = "user.cachefs.control"
+
+
+def control_path(mountpoint: str) -> str:
+    if not os.path.isdir(mountpoint):
+        raise UserError(f"{mountpoint} is not a directory.")
+    try:
+        return os.fsdecode(os.getxattr(mountpoint, CONTROL_XATTR))
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise UserError(f"{mountpoint} is a dead FUSE mount (its daemon is gone); "
+                            f"run fusermount3 -u {mountpoint}.") from None
+        raise UserError(f"{mountpoint} is not a cachefs mount.") from None
+
+
+def request(mountpoint: str, cmd: str, timeout_s: float | None = 30.0,
+            on_progress: Callable[[dict], None] | None = None, **args) -> dict:
+    """Send one command; returns the answer, calling on_progress for progress lines."""
+    path = control_path(mountpoint)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout_s)
+            s.connect(path)
+            s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+            for msg in _lines(s):
+                if "progress" in msg:
+                    if on_progress:
+                        on_progress(msg["progress"])
+                    continue
+                if not msg.get("ok"):
+                    raise UserError(msg.get("error", "the cachefs daemon refused the command."))
+                return msg
+    except PermissionError:
+        raise UserError(f"no permission to talk to the cachefs daemon of {mountpoint} "
+                        "(run as root).") from None
+    except socket.timeout:
+        raise UserError(f"the cachefs daemon of {mountpoint} did not answer within "
+                        f"{timeout_s:g} s.") from None
+    except OSError as exc:
+        raise UserError(f"cannot reach the cachefs daemon of {mountpoint}: "
+                        f"{exc.strerror or exc}.") from None
+    raise UserError(f"the cachefs daemon of {mountpoint} closed the connection.")
+
+
+def _lines(s: socket.socket) -> Iterator[dict]:
+    buf = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield json.loads(line)

@@ -1,0 +1,159 @@
+"""`cachefs mount|umount`: the operator's entry point."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+
+from cachefs import __version__
+from cachefs import mount as mnt
+from cachefs.errors import UserError
+
+from . import client
+from .options import add_mount_arguments, config_from_args, config_to_argv
+
+READY_ENV = "CACHEFS_READY_FD"
+READY_TIMEOUT_S = 120
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cachefs", description="An SSD cache in front of a slow "
+                                "mount, as a FUSE filesystem.")
+    p.add_argument("--version", action="version", version=f"cachefs {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("mount", help="mount BACKING through a cache on MOUNTPOINT")
+    add_mount_arguments(m)
+    u = sub.add_parser("umount", help="unmount cleanly, waiting for in-flight work")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT")
+    u.add_argument("--timeout", type=float, default=300, help="seconds to wait for the "
+                   "daemon to persist its state (default 300)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return cmd_mount(args)
+        return cmd_umount(args)
+    except UserError as exc:
+        print(f"cachefs: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.foreground:
+        return _run_foreground(cfg)
+    mnt.check_paths(cfg)
+    mnt.prepare_cache_dir(cfg)
+    log_path = os.path.join(cfg.cache_dir, "cachefs.log")
+    r, w = os.pipe()
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cachefs_cli.main", *config_to_argv(cfg)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(w,),
+            env={**os.environ, READY_ENV: str(w)}, start_new_session=True)
+    os.close(w)
+    answer = _read_ready(r, proc)
+    if answer == "ok":
+        return 0
+    if answer:
+        print(f"cachefs: {answer}", file=sys.stderr)
+    else:
+        print(f"cachefs: the daemon exited (status {proc.poll()}) before the mount was ready; "
+              f"see {log_path}.", file=sys.stderr)
+    return 1
+
+
+def _read_ready(fd: int, proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    data = b""
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        else:
+            proc.kill()
+            return f"the daemon was not ready within {READY_TIMEOUT_S} s."
+    finally:
+        os.close(fd)
+    return data.decode(errors="replace").strip()
+
+
+def _run_foreground(cfg) -> int:
+    logging.basicConfig(level=logging.DEBUG if cfg.debug else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ready_fd = int(os.environ.pop(READY_ENV, "-1"))
+
+    def ready(error: str | None) -> None:
+        nonlocal ready_fd
+        if ready_fd >= 0:
+            try:
+                os.write(ready_fd, b"ok\n" if error is None else error.encode() + b"\n")
+            finally:
+                os.close(ready_fd)
+                ready_fd = -1
+
+    try:
+        return mnt.run(cfg, ready)
+    finally:
+        ready("the daemon stopped before the mount was ready.")
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    if not _is_cachefs_mount(mountpoint):
+        raise UserError(f"{mountpoint} is not a cachefs mount.")
+    try:
+        pid = client.request(mountpoint, "pid", timeout_s=10)["pid"]
+    except UserError:
+        pid = None                      # a dead daemon: unmounting is still right
+    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise UserError(f"unmounting {mountpoint} failed: {res.stderr.strip()}")
+    if pid is not None and not _wait_exit(pid, args.timeout):
+        raise UserError(f"the cachefs daemon (pid {pid}) did not finish within "
+                        f"{args.timeout:g} s; it keeps persisting in the background.")
+    return 0
+
+
+def _is_cachefs_mount(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[1] == path and fields[2] == "fuse.cachefs":
+                return True
+    return False
+
+
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}") or _is_zombie(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Turning command-line and fstab options into a Config (shared by `cachefs` and `mount.cachefs`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cachefs.config import Config, default_cache_dir, parse_size
+from cachefs.errors import UserError
+
+# -o names understood by cachefs itself (fstab form); everything else goes to FUSE.
+_O_NAMES = {
+    "cache_dir": "cache_dir", "mode": "mode", "cache_size": "cache_size",
+    "promote_after": "promote_after", "sequential_cutoff": "sequential_cutoff",
+    "dirty_high": "dirty_high", "dirty_low": "dirty_low", "max_dirty_age": "max_dirty_age",
+    "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
+}
+# mount(8) and systemd options that mean nothing to FUSE.
+_IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
+            "exec", "suid", "dev", "async"}
+
+
+def add_mount_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("backing", metavar="BACKING", help="the slow directory to cache")
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", help="where the cached view appears")
+    p.add_argument("--cache-dir", help="cache directory on the fast disk "
+                   "(default: one per BACKING under /var/cache/cachefs)")
+    p.add_argument("--mode", help="write-through (default) or write-back")
+    p.add_argument("--cache-size", help="cache pool size, e.g. 512M or 20G "
+                   "(default: leave the cache filesystem 10%% free)")
+    p.add_argument("--promote-after", help="reads of an extent before it is cached (default 2)")
+    p.add_argument("--sequential-cutoff", help="sequential streams longer than this bypass "
+                   "the cache (default 4M; 0 disables)")
+    p.add_argument("--dirty-high", help="write-back: dirty data above which writers are slowed")
+    p.add_argument("--dirty-low", help="write-back: dirty data below which writers run free")
+    p.add_argument("--max-dirty-age", help="write-back: seconds data may stay only on the SSD")
+    p.add_argument("--attr-timeout", help="seconds the kernel caches attributes (default 1)")
+    p.add_argument("--backing-timeout", help="seconds before a stalled BACKING read fails "
+                   "with EIO (default 60)")
+    p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
+                   help="comma-separated cachefs (name=value) or FUSE mount options")
+    p.add_argument("--debug", action="store_true", help="log every FUSE request")
+
+
+def _number(value: str, what: str, kind=float) -> float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise UserError(f"{what} {value!r} is not a number.") from None
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Merge flags and -o options into a Config; raises UserError on a bad value."""
+    values = {k: getattr(args, k) for k in _O_NAMES.values() if getattr(args, k, None)}
+    fuse = []
+    for group in args.options:
+        for opt in filter(None, group.split(",")):
+            name, _, value = opt.partition("=")
+            key = _O_NAMES.get(name.replace("-", "_"))
+            if key:
+                values.setdefault(key, value)
+            elif name not in _IGNORED and not name.startswith(("x-", "comment=")):
+                fuse.append(opt)
+    backing = os.path.abspath(args.backing)
+    kw = dict(
+        backing=backing,
+        mountpoint=os.path.abspath(args.mountpoint),
+        cache_dir=os.path.abspath(values.get("cache_dir") or default_cache_dir(backing)),
+        foreground=bool(getattr(args, "foreground", False)),
+        fuse_options=tuple(fuse),
+        debug=bool(getattr(args, "debug", False)),
+    )
+    if "mode" in values:
+        kw["mode"] = values["mode"]
+    if "cache_size" in values:
+        kw["cache_size"] = parse_size(values["cache_size"], "--cache-size")
+    if "promote_after" in values:
+        kw["promote_after"] = int(_number(values["promote_after"], "--promote-after", int))
+    if "sequential_cutoff" in values:
+        kw["sequential_cutoff"] = parse_size(values["sequential_cutoff"], "--sequential-cutoff")
+    if "dirty_high" in values:
+        kw["dirty_high"] = parse_size(values["dirty_high"], "--dirty-high")
+    if "dirty_low" in values:
+        kw["dirty_low"] = parse_size(values["dirty_low"], "--dirty-low")
+    if "max_dirty_age" in values:
+        kw["max_dirty_age_s"] = _number(values["max_dirty_age"], "--max-dirty-age")
+    if "attr_timeout" in values:
+        t = _number(values["attr_timeout"], "--attr-timeout")
+        kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
+    if "backing_timeout" in values:
+        kw["backing_timeout_s"] = _number(values["backing_timeout"], "--backing-timeout")
+    cfg = Config(**kw)
+    cfg.validate()
+    return cfg
+
+
+def config_to_argv(cfg: Config) -> list[str]:
+    """The `cachefs mount -f` command line that runs this Config as a daemon."""
+    argv = ["mount", "-f", "--cache-dir", cfg.cache_dir, "--mode", cfg.mode,
+            "--promote-after", str(cfg.promote_after),
+            "--sequential-cutoff", str(cfg.sequential_cutoff),
+            "--max-dirty-age", repr(cfg.max_dirty_age_s),
+            "--attr-timeout", repr(cfg.attr_timeout_s),
+            "--backing-timeout", repr(cfg.backing_timeout_s)]
+    if cfg.cache_size is not None:
+        argv += ["--cache-size", str(cfg.cache_size)]
+    if cfg.dirty_high is not None:
+        argv += ["--dirty-high", str(cfg.dirty_high)]
+    if cfg.dirty_low is not None:
+        argv += ["--dirty-low", str(cfg.dirty_low)]
+    if cfg.fuse_options:
+        argv += ["-o", ",".join(cfg.fuse_options)]
+    if cfg.debug:
+        argv.append("--debug")
+    return argv + [cfg.backing, cfg.mountpoint]
