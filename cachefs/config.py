@@ -74,6 +74,9 @@ class Config:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise UserError(f"mode {self.mode!r} is not one of {', '.join(MODES)}.")
+        if self.mode == "write-back":       # TODO(#3): the destager and flow control
+            raise UserError("write-back mode is not available in this version yet; "
+                            "use --mode write-through.")
         if self.cache_size is not None and self.cache_size < 16 * EXT_SIZE:
             raise UserError(f"cache size {self.cache_size} bytes is too small: "
                             f"the minimum is {format_size(16 * EXT_SIZE)}.")
