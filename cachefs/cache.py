@@ -50,7 +50,7 @@ def punch_hole(fd: int, off: int, size: int) -> None:
 class OpenFile:
     """One open file handle: BACKING fd, the file's cache state and its sequential stream."""
 
-    __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats")
+    __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext")
 
     def __init__(self, fh: int, cfile: CachedFile, backing_fd: int, flags: int, stats: Stats):
         self.fh = fh
@@ -60,6 +60,7 @@ class OpenFile:
         self.flags = flags
         self.seq = SequentialDetector()
         self.stats = stats
+        self.last_miss_ext = -1     # consecutive misses in one extent count as one access
 
     def read_hit(self, off: int, size: int) -> bytes | None:
         """Serve a read from the SSD if every block is cached: sync, no await, no SQL."""
@@ -70,6 +71,7 @@ class OpenFile:
         if off >= end or not cf.extents or not cf.covers(off, end):
             return None
         data = os.pread(cf.cache_fd, end - off, off)
+        self.seq.note(off, size)            # a stream stays a stream across cached parts
         st = self.stats
         st.read_ops += 1
         st.hit_ops += 1
@@ -289,9 +291,15 @@ class Cache:
             for e in range((off >> EXT_SHIFT), ((off + size - 1) >> EXT_SHIFT) + 1):
                 if e in cf.fills:
                     continue
-                key = (cf.ino, e)
-                if e in cf.extents or self.admission.note_miss(key, self.pool.in_ghost(key)):
+                if e in cf.extents:             # partly valid: complete it
                     promote.append(e)
+                    continue
+                if e == of.last_miss_ext:
+                    continue
+                key = (cf.ino, e)
+                if self.admission.note_miss(key, self.pool.in_ghost(key)):
+                    promote.append(e)
+            of.last_miss_ext = (off + size - 1) >> EXT_SHIFT
         if not promote:
             data = await self._backing_read(of.backing_fd, size, off)
         else:

@@ -1,0 +1,170 @@
+"""The extent cache through a real mount: hits, warm restart, eviction, sequential bypass,
+coherence with BACKING, drop. Proof comes from bytes and `cachefs-ctl stats --json`."""
+
+import os
+import random
+import time
+
+import pytest
+
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.fuse
+
+EXT = 64 * 1024
+
+
+def read_blocks(path, offsets, size=4096):
+    """Read with O_DIRECT so the kernel page cache cannot answer for cachefs."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        return {off: os.pread(fd, size, off) for off in offsets}
+    finally:
+        os.close(fd)
+
+
+def warm(m, name, size, passes=2):
+    offsets = list(range(0, size, 4096))
+    for _ in range(passes):
+        random.shuffle(offsets)
+        read_blocks(m.path(name), offsets)
+    want = (size + EXT - 1) // EXT
+    wait_until(lambda: m.stats()["extents_cached"] >= want, 10, what="promotion")
+
+
+def test_second_read_comes_from_ssd_also_after_remount(make_mount):
+    m = make_mount("--promote-after", "2")
+    data = os.urandom(1 << 20)
+    (m.backing / "hot").write_bytes(data)
+    warm(m, "hot", len(data))
+    for round_ in ("mounted", "remounted"):
+        before = m.stats()
+        offsets = list(range(0, len(data), 4096))
+        random.shuffle(offsets)
+        got = read_blocks(m.path("hot"), offsets)
+        assert all(got[o] == data[o:o + 4096] for o in offsets), round_
+        after = m.stats()
+        assert after["backing_read_ops"] == before["backing_read_ops"], round_
+        assert after["hit_ops"] - before["hit_ops"] == len(offsets), round_
+        assert after["hit_ratio"] > 0
+        m.restart()
+
+
+def test_one_read_does_not_promote(make_mount):
+    m = make_mount("--promote-after", "2")
+    (m.backing / "once").write_bytes(os.urandom(1 << 20))
+    read_blocks(m.path("once"), range(0, 1 << 20, 8192))
+    time.sleep(0.3)
+    s = m.stats()
+    assert s["extents_cached"] == 0 and s["promotions"] == 0
+
+
+def test_usage_never_exceeds_small_cache_size(make_mount):
+    m = make_mount("--cache-size", "1M", "--promote-after", "1")
+    files = {f"f{i}": os.urandom(1 << 20) for i in range(4)}
+    for name, data in files.items():
+        (m.backing / name).write_bytes(data)
+    rng = random.Random(7)
+    for _ in range(6):
+        for name, data in files.items():
+            offs = [rng.randrange(0, len(data) // 4096) * 4096 for _ in range(64)]
+            got = read_blocks(m.path(name), offs)
+            assert all(got[o] == data[o:o + 4096] for o in offs)
+            s = m.stats()
+            assert s["cache_used"] <= s["cache_size"] == 1 << 20
+    s = m.stats()
+    assert s["evictions"] > 0 and s["hit_ops"] > 0
+
+    def ssd_bytes():
+        return sum(os.stat(os.path.join(d, f)).st_blocks * 512
+                   for d, _, fs in os.walk(m.cache / "data") for f in fs)
+    # evicted extents give their space back (holes punched after the metadata commit)
+    wait_until(lambda: ssd_bytes() <= (1 << 20) + 4 * EXT, 10, what="holes punched")
+
+
+def test_sequential_stream_bypasses_cache(make_mount):
+    m = make_mount("--sequential-cutoff", "1M", "--promote-after", "1")
+    data = os.urandom(8 << 20)
+    (m.backing / "stream").write_bytes(data)
+    for _ in range(2):
+        fd = os.open(m.path("stream"), os.O_RDONLY | os.O_DIRECT)
+        try:
+            out = b"".join(os.pread(fd, 128 << 10, off) for off in range(0, len(data), 128 << 10))
+        finally:
+            os.close(fd)
+        assert out == data
+    s = m.stats()
+    assert s["bypass_bytes"] >= 2 * (len(data) - (2 << 20))
+    assert s["extents_cached"] <= 24          # at most the head of the stream
+
+
+def _rewrite_behind(m, name, data, keep_times=False):
+    st = os.stat(m.backing / name)
+    with open(m.backing / name, "r+b") as f:
+        f.write(data)
+    if keep_times:       # same size and mtime: only ctime tells
+        os.utime(m.backing / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_times", [False, True])
+def test_change_behind_mount_is_seen(make_mount, keep_times):
+    m = make_mount("--promote-after", "1", "--attr-timeout", "0.2")
+    old, new = os.urandom(256 << 10), os.urandom(256 << 10)
+    (m.backing / "f").write_bytes(old)
+    warm(m, "f", len(old), passes=1)
+    assert m.path("f").read_bytes() == old          # fills the kernel page cache too
+    _rewrite_behind(m, "f", new, keep_times)
+    time.sleep(0.4)                                 # past the attribute timeout
+    os.stat(m.path("f"))                            # revalidation through getattr
+    assert read_blocks(m.path("f"), [0, 4096, 200 << 10])[4096] == new[4096:8192]
+    assert m.path("f").read_bytes() == new          # page cache was invalidated as well
+    assert m.stats()["stale_files"] >= 1
+
+
+def test_change_while_unmounted_is_seen(make_mount):
+    m = make_mount("--promote-after", "1")
+    old, new = os.urandom(256 << 10), os.urandom(256 << 10)
+    (m.backing / "f").write_bytes(old)
+    warm(m, "f", len(old), passes=1)
+    m.stop()
+    _rewrite_behind(m, "f", new, keep_times=True)
+    m.start()
+    got = read_blocks(m.path("f"), range(0, len(new), 4096))
+    assert b"".join(got[o] for o in sorted(got)) == new
+    assert m.stats()["stale_files"] == 1
+
+
+def test_write_through_updates_cached_extents(make_mount):
+    m = make_mount("--promote-after", "1")
+    data = bytearray(os.urandom(512 << 10))
+    (m.backing / "f").write_bytes(data)
+    warm(m, "f", len(data), passes=1)
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_DIRECT)
+    try:
+        for off, size in ((0, 4096), (5000, 3000), (EXT - 100, 200), (300 << 10, 70 << 10)):
+            chunk = os.urandom(size)
+            assert os.pwrite(fd, chunk, off) == size
+            data[off:off + size] = chunk
+        before = m.stats()
+        got = b"".join(os.pread(fd, 4096, off) for off in range(0, len(data), 4096))
+    finally:
+        os.close(fd)
+    assert got == bytes(data) and (m.backing / "f").read_bytes() == bytes(data)
+    after = m.stats()
+    assert after["hit_ops"] - before["hit_ops"] >= 120      # cached extents stayed valid
+
+
+def test_drop_makes_cache_cold(make_mount):
+    import subprocess
+    from tests.conftest import CTL
+    m = make_mount("--promote-after", "1")
+    data = os.urandom(512 << 10)
+    (m.backing / "f").write_bytes(data)
+    warm(m, "f", len(data), passes=1)
+    out = subprocess.run([*CTL, "drop", str(m.mnt)], capture_output=True, text=True)
+    assert out.returncode == 0 and "dropped 8 clean extents" in out.stdout, out
+    s = m.stats()
+    assert s["extents_cached"] == 0 and s["cache_used"] == 0
+    got = read_blocks(m.path("f"), range(0, len(data), 4096))
+    assert b"".join(got[o] for o in sorted(got)) == data
+    assert m.stats()["backing_read_ops"] > s["backing_read_ops"]
