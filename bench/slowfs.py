@@ -141,6 +141,12 @@ class _Itimerspec(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+#: Waits this short are not slept, and a timer expiry also wakes waiters due this soon:
+#: a wake-up costs more CPU than the wait. The model's clocks (link, deadlines) are exact,
+#: so throughput limits hold; one request may finish up to SLACK_S early.
+SLACK_S = 50e-6
+
+
 class PreciseTimer:
     """Sub-millisecond sleeps for the trio loop.
 
@@ -167,6 +173,8 @@ class PreciseTimer:
         self._armed = deadline
 
     async def sleep_until(self, deadline: float) -> None:
+        if deadline - time.monotonic() <= SLACK_S:
+            return
         event = trio.Event()
         heapq.heappush(self._heap, (deadline, next(self._seq), event))
         if deadline < self._armed:
@@ -182,8 +190,8 @@ class PreciseTimer:
                 os.read(self._fd, 8)
             except BlockingIOError:
                 pass
-            now = time.monotonic()
-            while heap and heap[0][0] <= now:
+            soon = time.monotonic() + SLACK_S
+            while heap and heap[0][0] <= soon:
                 heapq.heappop(heap)[2].set()
             self._armed = INF
             if heap:
@@ -220,7 +228,7 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
             self._last_end: dict[int, int] = {}       # ino -> end offset of last request
             self._link_free = 0.0                     # monotonic time the link is idle
             self._timer = PreciseTimer()
-            self._slots = trio.CapacityLimiter(int(PARAMS["concurrency"].default))
+            self._slot_free: list[float] = []           # heap: when each slot frees up
             self._resume = trio.Event()
             self._resume.set()
             self._rng = random.Random()
@@ -237,7 +245,7 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
             self.read_ops = self.read_bytes = self.write_ops = self.write_bytes = 0
             self.fsync_ops = self.meta_ops = self.errors_injected = 0
             self.seq_ops = self.random_ops = 0
-            self.busy_s = self.service_s = 0.0
+            self.busy_s = self.service_s = self.queue_s = 0.0
             self.max_inflight = self._inflight
             if self._inflight:
                 self._busy_since = time.monotonic()
@@ -246,7 +254,9 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
         def apply(self, params: dict[str, float]) -> None:
             p = self._p
             p.update(params)
-            self._slots.total_tokens = int(p["concurrency"])
+            slots = sorted(self._slot_free)[:int(p["concurrency"])]
+            slots += [0.0] * (int(p["concurrency"]) - len(slots))
+            self._slot_free = slots                    # sorted, hence a heap
             if "seed" in params:
                 self._rng.seed(int(p["seed"]) or None)
             if p["hang"] and self._resume.is_set():
@@ -268,6 +278,7 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
                 "errors_injected": self.errors_injected,
                 "seq_ops": self.seq_ops, "random_ops": self.random_ops,
                 "busy_s": round(busy, 6), "service_s": round(self.service_s, 6),
+                "queue_s": round(self.queue_s, 6),
                 "elapsed_s": round(now - self._reset_at, 6),
                 "inflight": self._inflight, "max_inflight": self.max_inflight,
                 "hung": self._hung, "open_files": len(self._files),
@@ -299,41 +310,48 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
                 await self._timer.sleep_until(time.monotonic() + delay / 1000)
 
         async def _serve(self, ino: int, off: int, size: int) -> None:
-            """Hold a service slot for one data request's service + link time."""
+            """Charge one data request: wait for a slot, service time, then the link.
+
+            Slots and link are virtual clocks (a heap of slot-free times, one link-free
+            time), so the charge is one sleep and scheduling delays never accumulate.
+            """
             p = self._p
-            async with self._slots:
-                now = time.monotonic()
-                if self._last_end.get(ino) == off:
-                    svc = p["seq_latency_ms"]
-                    self.seq_ops += 1
-                else:
-                    svc = p["latency_ms"]
-                    jit = min(p["jitter_ms"], svc)
-                    if jit > 0:
-                        svc += self._rng.uniform(-jit, jit)
-                    self.random_ops += 1
-                if size:
-                    self._last_end[ino] = off + size
-                done = now + svc / 1000
-                bw = p["bandwidth_mbs"]
-                if bw > 0 and size:
-                    start = done if done > self._link_free else self._link_free
-                    done = start + size / (bw * 1e6)
-                    self._link_free = done
+            now = time.monotonic()
+            if self._last_end.get(ino) == off:
+                svc = p["seq_latency_ms"]
+                self.seq_ops += 1
+            else:
+                svc = p["latency_ms"]
+                jit = min(p["jitter_ms"], svc)
+                if jit > 0:
+                    svc += self._rng.uniform(-jit, jit)
+                self.random_ops += 1
+            if size:
+                self._last_end[ino] = off + size
+            start = self._slot_free[0]                # earliest free slot, FIFO
+            if start < now:
+                start = now
+            done = start + svc / 1000
+            bw = p["bandwidth_mbs"]
+            if bw > 0 and size:
+                if self._link_free > done:
+                    done = self._link_free              # queue on the shared link
+                done += size / (bw * 1e6)
+                self._link_free = done
+            heapq.heapreplace(self._slot_free, done)  # the slot is held until done
+            self.queue_s += start - now
+            self.service_s += done - start
+            if self._inflight == 0:
+                self._busy_since = now
+            self._inflight += 1
+            if self._inflight > self.max_inflight:
+                self.max_inflight = self._inflight
+            try:
+                await self._timer.sleep_until(done)
+            finally:
+                self._inflight -= 1
                 if self._inflight == 0:
-                    self._busy_since = now
-                self._inflight += 1
-                if self._inflight > self.max_inflight:
-                    self.max_inflight = self._inflight
-                try:
-                    if done > now:
-                        await self._timer.sleep_until(done)
-                finally:
-                    self._inflight -= 1
-                    end = time.monotonic()
-                    self.service_s += end - now
-                    if self._inflight == 0:
-                        self.busy_s += end - self._busy_since
+                    self.busy_s += time.monotonic() - self._busy_since
 
         def _fault(self, fraction: float, err: int) -> None:
             if fraction > 0 and self._rng.random() < fraction:
@@ -762,7 +780,30 @@ def _renameat2(old: bytes, new: bytes, flags: int) -> None:
 
 # --------------------------------------------------------------------------- daemon
 
-def run_daemon(source: str, mountpoint: str, params: dict[str, float], debug: bool) -> int:
+def _raise_max_background(mountpoint: str, value: int) -> None:
+    """Let more than the kernel's default 12 async (aio/readahead) requests reach us.
+
+    Best effort, root only: /sys/fs/fuse/connections/<minor>/max_background. The device
+    number comes from mountinfo, since stat() on the mount would wait for our own loop.
+    """
+    target = os.path.abspath(mountpoint)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if fields[4] == target:
+                    conn = f"/sys/fs/fuse/connections/{fields[2].split(':')[1]}"
+            with open(f"{conn}/max_background", "w") as out:
+                out.write(str(value))
+            with open(f"{conn}/congestion_threshold", "w") as out:
+                out.write(str(max(1, value * 3 // 4)))
+    except (OSError, NameError, IndexError) as exc:
+        log.info("kernel max_background left at its default of 12 (is fusectl mounted on "
+                 "/sys/fs/fuse/connections? %s)", exc)
+
+
+def run_daemon(source: str, mountpoint: str, params: dict[str, float], debug: bool,
+               max_background: int = 64) -> int:
     import pyfuse3
 
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
@@ -777,6 +818,7 @@ def run_daemon(source: str, mountpoint: str, params: dict[str, float], debug: bo
         options.add("debug")
     pyfuse3.init(ops, mountpoint, options)
     log.info("mounted %s on %s", source, mountpoint)
+    _raise_max_background(mountpoint, max_background)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -860,6 +902,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the daemon in the foreground")
     m.add_argument("--log", help="daemon log file when not in the foreground")
     m.add_argument("--debug", action="store_true", help="debug logging (and FUSE debug)")
+    m.add_argument("--max-background", type=int, default=64, metavar="N",
+                   help="kernel limit on async requests in flight to the daemon "
+                        "(default 64; the kernel's own default is 12)")
     for key, p in PARAMS.items():
         m.add_argument("--" + key.replace("_", "-"), dest=key, type=_param_type(key),
                        default=None, metavar="N",
@@ -918,7 +963,8 @@ def main(argv: list[str] | None = None) -> int:
         _check_mount_args(args.source, args.mountpoint)
         params = {k: getattr(args, k) for k in PARAMS if getattr(args, k) is not None}
         if args.foreground:
-            return run_daemon(args.source, args.mountpoint, params, args.debug)
+            return run_daemon(args.source, args.mountpoint, params, args.debug,
+                              args.max_background)
         return spawn_detached(argv[1:], args.mountpoint, args.log)
     except _Usage as exc:
         print(f"slowfs: {str(exc).rstrip('.')}.", file=sys.stderr)
