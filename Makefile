@@ -1,0 +1,38 @@
+# cachefs: one command to install and mount a demo, one to install and run the tests.
+#   sudo make demo    install everything, mount a demo over an emulated slow disk
+#   sudo make test    install everything, run the full test suite
+PYTHON ?= python3
+export PIP_BREAK_SYSTEM_PACKAGES = 1
+export PIP_ROOT_USER_ACTION = ignore
+DEB_PACKAGES = fuse3 libfuse3-dev pkg-config fio gcc python3-dev python3-pip
+
+.PHONY: install deps demo demo-stop test bench bench-quick
+
+deps:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+install: deps
+	$(PYTHON) -m pip install -q -e '.[test,bench]'
+	@scripts=$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))'); \
+	if [ -w /usr/sbin ] && [ -x "$$scripts/mount.cachefs" ]; then \
+	  ln -sf "$$scripts/mount.cachefs" /usr/sbin/mount.cachefs; fi
+
+demo: install
+	PYTHON=$(PYTHON) bash bench/demo.sh
+
+demo-stop:
+	PYTHON=$(PYTHON) bash bench/demo.sh stop
+
+test: install
+	$(PYTHON) -m pytest -q
+
+bench-quick: install
+	$(PYTHON) bench/run.py --quick
+
+bench: install
+	$(PYTHON) bench/run.py
