@@ -1,0 +1,106 @@
+"""Bitmaps, admission, sequential detection and eviction order: pure logic, no I/O."""
+
+import random
+
+from cachefs.extents import FULL_MASK, CachedFile, Extent, block_mask, covered_mask
+from cachefs.policy import Admission, Clock, S3Fifo, SequentialDetector
+
+
+def test_block_mask():
+    assert block_mask(0, 4096) == 0b1
+    assert block_mask(0, 4097) == 0b11
+    assert block_mask(4095, 4097) == 0b11
+    assert block_mask(8192, 65536) == FULL_MASK & ~0b11
+    assert block_mask(0, 65536) == FULL_MASK
+    assert block_mask(100, 100) == 0
+
+
+def test_covered_mask_needs_whole_blocks_or_eof():
+    assert covered_mask(0, 4096, 65536) == 0b1
+    assert covered_mask(1, 8192, 65536) == 0b10           # block 0 only partly written
+    assert covered_mask(0, 6000, 65536) == 0b1            # block 1 partly
+    assert covered_mask(4096, 6000, 6000) == 0b10         # block 1 ends at EOF: covered
+    assert covered_mask(0, 65536, 65536) == FULL_MASK
+
+
+def test_covers_checks_every_block_and_counts_access():
+    cf = CachedFile(5, (5, 200000, 1, 1))
+    cf.extents[0] = Extent(5, 0, FULL_MASK)
+    cf.extents[1] = Extent(5, 1, 0b0011)
+    assert cf.covers(0, 65536)
+    assert cf.covers(60000, 65536 + 8192)
+    assert not cf.covers(60000, 65536 + 8193)
+    assert not cf.covers(65536 * 2, 65536 * 2 + 1)          # extent 2 not cached
+    assert cf.extents[0].freq == 3                         # capped at 3
+
+
+def test_admission_counts_misses_and_ghost_hits():
+    a = Admission(promote_after=3)
+    key = (1, 7)
+    assert not a.note_miss(key, False)
+    assert not a.note_miss(key, False)
+    assert a.note_miss(key, False)
+    assert not a.note_miss(key, False)                      # counting starts again
+    assert a.note_miss((1, 8), in_ghost=True)               # recently evicted: at once
+
+
+def test_admission_window_is_bounded():
+    a = Admission(promote_after=2, window=100)
+    for i in range(1000):
+        a.note_miss((1, i), False)
+    assert len(a._seen) <= 100
+
+
+def test_sequential_detector():
+    d = SequentialDetector()
+    run = 0
+    for off in range(0, 8 << 20, 128 << 10):
+        run = d.note(off, 128 << 10)
+    assert run == 8 << 20
+    assert d.note(100 << 20, 4096) == 4096                   # a jump starts a new stream
+
+
+def _hit_ratio(policy_cls, seed=1):
+    """A hot set that fits, interleaved with one-off scans larger than the cache."""
+    cap = 100
+    pol = policy_cls(cap)
+    resident: dict[tuple, Extent] = {}
+    rng = random.Random(seed)
+    hits = total = 0
+    scan = 10_000
+    for step in range(40_000):
+        if step % 4 == 0:
+            key = (2, scan)
+            scan += 1
+        else:
+            key = (1, rng.randrange(80))
+            total += 1
+        x = resident.get(key)
+        if x is not None:
+            if key[0] == 1:
+                hits += 1
+            x.freq = min(3, x.freq + 1)
+            continue
+        while len(pol) >= cap:
+            v = pol.victim()
+            del resident[v.key]
+        x = Extent(*key)
+        pol.insert(x)
+        resident[key] = x
+    return hits / total
+
+
+def test_s3fifo_resists_scans_better_than_clock():
+    s3, clock = _hit_ratio(S3Fifo), _hit_ratio(Clock)
+    assert s3 > 0.9
+    assert s3 > clock + 0.05, (s3, clock)
+
+
+def test_dirty_extents_are_never_victims():
+    pol = S3Fifo(10)
+    xs = [Extent(1, i, FULL_MASK, dirty=1) for i in range(10)]
+    for x in xs:
+        pol.insert(x)
+    assert pol.victim() is None
+    xs[3].dirty = 0
+    assert pol.victim() is xs[3]
