@@ -266,7 +266,8 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
             self._faulty = bool(p["hang"] or p["offline"])
             self._entry_timeout = p["entry_timeout_s"]
             self._attr_timeout = p["attr_timeout_s"]
-            log.info("parameters: %s", " ".join(f"{k}={v:g}" for k, v in params.items()))
+            if params:
+                log.info("parameters: %s", " ".join(f"{k}={v:g}" for k, v in params.items()))
 
         def statistics(self) -> dict:
             now = time.monotonic()

@@ -96,6 +96,8 @@ def test_bytes_and_counters(tmp_path):
         assert (src / "e" / "sub" / "x").read_bytes() == b"he"
         shutil.rmtree(mnt / "e")
         assert sorted(os.listdir(mnt)) == ["f"]
+    assert m.proc.returncode == 0, m.log()       # clean exit after fusermount3 -u
+    assert "Traceback" not in m.log()
 
 
 def test_latency_is_charged(tmp_path):
