@@ -70,7 +70,11 @@ class OpenFile:
             end = cf.size
         if off >= end or not cf.extents or not cf.covers(off, end):
             return None
-        data = os.pread(cf.cache_fd, end - off, off)
+        try:
+            data = os.pread(cf.cache_fd, end - off, off)
+        except OSError:                     # the SSD failed us: BACKING still has the data
+            self.stats.cache_errors += 1
+            return None
         self.seq.note(off, size)            # a stream stays a stream across cached parts
         st = self.stats
         st.read_ops += 1
@@ -166,7 +170,7 @@ class Cache:
                 os.ftruncate(cf.cache_fd, 0)
             else:
                 os.truncate(self.cache_path(cf.ino), 0)
-        except FileNotFoundError:
+        except OSError:          # missing or unwritable: the map no longer claims it anyway
             pass
 
     def revalidate(self, cf: CachedFile, st: os.stat_result) -> bool:
@@ -245,7 +249,12 @@ class Cache:
         unchanged = self.revalidate(cf, st) and cf.identity is not None
         cf.open_count += 1
         if cf.extents:
-            self._cache_fd(cf)
+            try:
+                self._cache_fd(cf)
+            except OSError as exc:          # serve from BACKING rather than fail the open
+                self.stats.cache_errors += 1
+                log.warning("cannot open the cache file of inode %d: %s", ino, exc)
+                self.drop_file(cf)
         return OpenFile(fh, cf, fd, flags, self.stats), unchanged
 
     async def create(self, fh: int, path: bytes, flags: int, mode: int, uid: int, gid: int,

@@ -48,6 +48,7 @@ class Operations(pyfuse3.Operations):
         self._dirs: dict[int, tuple[int, list]] = {}
         self._next_fh = 1
         self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
+        self._close_send, self._close_recv = trio.open_memory_channel(4096)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -102,6 +103,16 @@ class Operations(pyfuse3.Operations):
             except OSError as exc:              # ENOENT: the kernel no longer knows the inode
                 if exc.errno not in (errno.ENOENT, errno.EBADF):
                     log.warning("kernel invalidation of inode %d failed: %s", ino, exc)
+
+    async def run_closer(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Close released BACKING fds in threads, so release() answers the kernel at once
+        (a close on NFS may flush for a long time)."""
+        task_status.started()
+        async for fd in self._close_recv:
+            try:
+                await self._backing.write_call(os.close, fd)
+            except OSError as exc:
+                log.warning("closing a BACKING file failed: %s", exc)
 
     # -- namespace -----------------------------------------------------------------------
 
@@ -271,12 +282,11 @@ class Operations(pyfuse3.Operations):
         pass
 
     async def release(self, fh):
-        of = self._open.pop(fh)
-        fd = self._cache.release(of)
+        fd = self._cache.release(self._open.pop(fh))
         try:
-            await self._backing.write_call(os.close, fd)
-        except OSError as exc:
-            log.warning("closing a BACKING file failed: %s", exc)
+            self._close_send.send_nowait(fd)
+        except trio.WouldBlock:
+            await self._close_send.send(fd)
 
     async def fsync(self, fh, datasync):
         of = self._open[fh]

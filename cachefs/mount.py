@@ -221,6 +221,7 @@ class Daemon:
                 await nursery.start(self.cache.run_promoter)
                 await nursery.start(self.cache.run_persister)
                 await nursery.start(self.ops.run_invalidator)
+                await nursery.start(self.ops.run_closer)
                 try:
                     pyfuse3.init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
                 except RuntimeError as exc:
