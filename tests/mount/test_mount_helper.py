@@ -1,0 +1,50 @@
+"""`mount.cachefs` (the fstab form): options in -o, background daemon, clean umount."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import CACHEFS, CTL, force_unmount, is_mounted
+
+pytestmark = pytest.mark.fuse
+HELPER = [sys.executable, "-m", "cachefs_cli.mount_helper"]
+
+
+def test_fstab_options_mount_and_umount(tmp_path):
+    backing, cache, mnt = tmp_path / "b", tmp_path / "c", tmp_path / "m"
+    for d in (backing, mnt):
+        d.mkdir()
+    (backing / "f").write_bytes(b"hello")
+    try:
+        out = subprocess.run([*HELPER, str(backing), str(mnt), "-o",
+                              f"cache_dir={cache},cache_size=2M,promote_after=1,_netdev,noauto"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert is_mounted(mnt)
+        assert (mnt / "f").read_bytes() == b"hello"
+        st = json.loads(subprocess.run([*CTL, "stats", str(mnt), "--json"], capture_output=True,
+                                       text=True, check=True).stdout)
+        assert st["cache_size"] == 2 << 20 and st["cache_dir"] == str(cache)
+        pid = st["pid"]
+        out = subprocess.run([*CACHEFS, "umount", str(mnt)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert not is_mounted(mnt)
+        try:                      # gone, or a zombie waiting for a reaper that is not us
+            assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            pass
+        assert "Traceback" not in (cache / "cachefs.log").read_text()
+    finally:
+        force_unmount(mnt)
+
+
+def test_bad_fstab_option_is_a_sentence(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "m").mkdir()
+    out = subprocess.run([*HELPER, str(tmp_path / "b"), str(tmp_path / "m"), "-o",
+                          "cache_size=lots"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "cache-size 'lots' is not a size" in out.stderr and "Traceback" not in out.stderr
