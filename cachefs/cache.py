@@ -13,17 +13,21 @@ import ctypes
 import errno
 import logging
 import os
+import time
+from collections import OrderedDict
 from typing import Callable
 
 import trio
 
 from . import backing as bk
 from .backing import Backing
-from .config import EXT_SIZE, Config
-from .extents import EXT_SHIFT, CachedFile, Extent, block_mask, covered_mask
+from .config import BLK_SIZE, EXT_SIZE, Config
+from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask,
+                      covered_mask, popcount)
 from .policy import Admission, S3Fifo, SequentialDetector
 from .stats import Stats
 from .store import MetadataStore
+from .writeback import Destager
 
 log = logging.getLogger("cachefs.cache")
 
@@ -102,26 +106,80 @@ class Cache:
         self._punch: dict[tuple[int, int], None] = {}          # evicted, not yet committed
         self._punch_committing: dict[tuple[int, int], None] = {}
         self._punching: set[tuple[int, int]] = set()           # holes being punched now
+        self._persist_lock = trio.Lock()         # batches commit in the order they are taken
+        # write-back state
+        self.write_back = cfg.mode == "write-back"
+        self.dirty: OrderedDict[tuple[int, int], float] = OrderedDict()  # key -> since, oldest 1st
+        self.dirty_blocks = 0
+        self.dirty_event = trio.Event()          # set when data turns dirty (wakes the destager)
+        self.progress_event = trio.Event()       # set when data turns clean (wakes writers)
+        self._journaled: set[tuple[int, int]] = set()
+        self.destager = Destager(self, backing, cfg, stats)
 
     # -- state -----------------------------------------------------------------------------
 
-    def load(self) -> None:
-        """Rebuild the in-memory map from the store (warm restart)."""
+    def load(self, clean_stop: bool) -> None:
+        """Rebuild the in-memory map from the store (warm restart, or recovery).
+
+        After an unclean stop, every valid block of an extent in the doubt journal is
+        treated as dirty: it may hold data newer than BACKING.
+        """
         files, extents = self.store.load()
-        for ino, (size, mtime_ns, ctime_ns) in files.items():
-            self.files[ino] = CachedFile(ino, (ino, size, mtime_ns, ctime_ns))
+        for ino, (size, mtime_ns, ctime_ns, path, lsize) in files.items():
+            cf = self.files[ino] = CachedFile(ino, (ino, size, mtime_ns, ctime_ns))
+            cf.path = path
+            cf.size = lsize
+        doubt = set() if clean_stop else self.store.read_journal()
         dropped = 0
         for ino, ext, valid, dirty in extents:
             cf = self.files.get(ino)
-            if cf is None or len(self.pool) >= self.capacity_exts or not valid:
+            if (ino, ext) in doubt:
+                dirty |= valid
+            if cf is None or not valid or (not dirty and len(self.pool) >= self.capacity_exts):
                 self.store.queue_drop_extent(ino, ext)
                 dropped += 1
                 continue
-            x = Extent(ino, ext, valid, dirty)
-            cf.extents[ext] = x
+            x = cf.extents[ext] = Extent(ino, ext, valid, 0)
             self.pool.insert_main(x)
+            if dirty:
+                self._set_dirty(cf, x, dirty)
         if dropped:
             log.info("dropped %d extents beyond the cache size", dropped)
+        if doubt:
+            log.warning("unclean stop: %d extents in doubt are treated as dirty", len(doubt))
+
+    # -- dirty accounting --------------------------------------------------------------------
+
+    def _set_dirty(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        new = mask & ~x.dirty
+        if not new:
+            return
+        if not x.dirty:
+            self.dirty[x.key] = time.monotonic()
+            cf.dirty_exts += 1
+            self.dirty_event.set()
+        x.dirty |= new
+        self.dirty_blocks += popcount(new)
+
+    def _clear_dirty(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        gone = mask & x.dirty
+        if not gone:
+            return
+        x.dirty &= ~gone
+        self.dirty_blocks -= popcount(gone)
+        if not x.dirty:
+            del self.dirty[x.key]
+            cf.dirty_exts -= 1
+            self.progress_event.set()
+            self.progress_event = trio.Event()
+
+    def dirty_bytes(self) -> int:
+        return self.dirty_blocks * BLK_SIZE
+
+    def oldest_dirty_age_s(self) -> float:
+        for since in self.dirty.values():
+            return time.monotonic() - since
+        return 0.0
 
     def used_bytes(self) -> int:
         return len(self.pool) * EXT_SIZE
@@ -145,19 +203,22 @@ class Cache:
             cf.cache_fd = -1
 
     def _persist_identity(self, cf: CachedFile) -> None:
-        if cf.extents:
+        if cf.extents and cf.identity is not None:
             _, size, mtime_ns, ctime_ns = cf.identity
-            self.store.queue_file(cf.ino, size, mtime_ns, ctime_ns)
+            self.store.queue_file(cf.ino, size, mtime_ns, ctime_ns, cf.path, cf.size)
 
     def _remove_extent(self, cf: CachedFile, x: Extent) -> None:
+        """Forget an extent, dirty blocks included (truncated, unlinked or unusable)."""
+        self._clear_dirty(cf, x, x.dirty)
         self.pool.remove(x)
         x.gen += 1
         del cf.extents[x.ext]
         self.store.queue_drop_extent(cf.ino, x.ext)
 
     def drop_file(self, cf: CachedFile) -> None:
-        """Forget every cached extent of a file (its BACKING identity changed)."""
+        """Forget every cached extent of a file, dirty ones included."""
         for x in list(cf.extents.values()):
+            self._clear_dirty(cf, x, x.dirty)
             self.pool.remove(x)
             x.gen += 1
         cf.extents.clear()
@@ -180,6 +241,12 @@ class Cache:
             return True
         if cf.writes_inflight:          # our own write is changing it; its fstat follows
             return True
+        if cf.dirty_exts:
+            self._conflict(cf, ident)
+            cf.identity = ident
+            cf.size = max(cf.size, st.st_size)
+            self._persist_identity(cf)
+            return False
         if cf.identity is not None and (cf.extents or cf.fills):
             self.stats.stale_files += 1
             log.info("BACKING inode %d changed behind the cache (%s -> %s); dropping %d "
@@ -189,12 +256,45 @@ class Cache:
         cf.size = st.st_size
         return False
 
+    def _conflict(self, cf: CachedFile, ident: tuple[int, int, int, int]) -> None:
+        """BACKING changed while we hold dirty data: keep the dirty blocks (they are the
+        newest acknowledged writes), drop the clean ones (they may be stale), report it."""
+        self.stats.conflicts += 1
+        log.warning("conflict: BACKING inode %d (%s) changed behind the cache while %d "
+                    "extents hold dirty data; the dirty data will overwrite it",
+                    cf.ino, os.fsdecode(cf.path or b"?"), cf.dirty_exts)
+        cf.clobber(0, 1 << 62)
+        for x in list(cf.extents.values()):
+            if not x.dirty:
+                self._remove_extent(cf, x)
+            elif x.valid != x.dirty:
+                x.gen += 1
+                x.valid = x.dirty
+                self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+
     def _own_change(self, cf: CachedFile, st: os.stat_result, size_exact: bool) -> None:
         """Record BACKING's identity after a change made by cachefs itself."""
         cf.identity = identity(st)
-        cf.size = st.st_size if size_exact or not cf.writes_inflight else max(cf.size,
-                                                                              st.st_size)
+        if size_exact:
+            cf.size = st.st_size
+        elif cf.writes_inflight or cf.dirty_exts:
+            cf.size = max(cf.size, st.st_size)
+        else:
+            cf.size = st.st_size
         self._persist_identity(cf)
+
+    def logical_size(self, ino: int, backing_size: int) -> int:
+        """The size programs see: BACKING's, or larger while extending writes are dirty."""
+        cf = self.files.get(ino)
+        if cf is None or not cf.dirty_exts:
+            return backing_size
+        return cf.size
+
+    def renamed(self, ino: int, new_path: bytes) -> None:
+        cf = self.files.get(ino)
+        if cf is not None and cf.dirty_exts:
+            cf.path = new_path
+            self._persist_identity(cf)
 
     def attributes_seen(self, ino: int, st: os.stat_result) -> None:
         """getattr/lookup saw BACKING's attributes: revalidate, invalidate the kernel cache."""
@@ -227,6 +327,9 @@ class Cache:
     def _discard(self, cf: CachedFile) -> None:
         self.drop_file(cf)
         self._close_idle_fd(cf)
+        if cf.wb_fd >= 0:
+            os.close(cf.wb_fd)          # unlinked file: no BACKING I/O that could block
+            cf.wb_fd = -1
         del self.files[cf.ino]
         try:
             os.unlink(self.cache_path(cf.ino))
@@ -247,6 +350,7 @@ class Cache:
         if cf is None:
             cf = self.files[ino] = CachedFile(ino)
         unchanged = self.revalidate(cf, st) and cf.identity is not None
+        cf.path = path
         cf.open_count += 1
         if cf.extents:
             try:
@@ -268,6 +372,7 @@ class Cache:
         if cf is None:
             cf = self.files[ino] = CachedFile(ino)
         self.revalidate(cf, st)
+        cf.path = path
         cf.open_count += 1
         return OpenFile(fh, cf, fd, flags, self.stats), st
 
@@ -331,9 +436,34 @@ class Cache:
                     cf.fills.pop(e, None)
                     st.promotions_dropped += 1
             data = whole[off - start:off - start + size]
+        if cf.dirty_exts:
+            data = self._overlay_dirty(cf, off, size, data)
         st.miss_bytes += len(data)
         st.read_bytes += len(data)
         return data
+
+    def _overlay_dirty(self, cf: CachedFile, off: int, size: int, data: bytes) -> bytes:
+        """Lay the dirty blocks (newer than BACKING) over data read from BACKING, and extend
+        it with zeros up to the logical size."""
+        end = min(off + size, cf.size)
+        if end <= off:
+            return data
+        buf = bytearray(data)
+        if len(buf) < end - off:
+            buf.extend(bytes(end - off - len(buf)))
+        fd = self._cache_fd(cf)
+        for e in range(off >> EXT_SHIFT, ((end - 1) >> EXT_SHIFT) + 1):
+            x = cf.extents.get(e)
+            if x is None or not x.dirty:
+                continue
+            base = e << EXT_SHIFT
+            for b0, b1 in _runs(x.dirty & block_mask(max(off, base) - base,
+                                                     min(end, base + EXT_SIZE) - base)):
+                s = max(off, base + (b0 << BLK_SHIFT))
+                t = min(end, base + (b1 << BLK_SHIFT))
+                buf[s - off:t - off] = os.pread(fd, t - s, s)
+        self._close_idle_fd(cf)
+        return bytes(buf)
 
     async def _backing_read(self, fd: int, size: int, off: int) -> bytes:
         try:
@@ -361,20 +491,28 @@ class Cache:
             self.stats.promotions_dropped += 1
             return False
         x = cf.extents.get(e)
-        if x is None and not self._make_room():
+        if x is None and not self._make_room(1):
             self.stats.promotions_dropped += 1
             return False
+        valid = block_mask(0, len(chunk))
+        fill = valid & ~x.valid if x is not None else valid   # valid blocks are as new or newer
+        base = e << EXT_SHIFT
         try:
-            os.pwrite(self._cache_fd(cf), chunk, e << EXT_SHIFT)
+            fd = self._cache_fd(cf)
+            if fill == valid:
+                os.pwrite(fd, chunk, base)
+            else:
+                view = memoryview(chunk)
+                for b0, b1 in _runs(fill):
+                    os.pwrite(fd, view[b0 << BLK_SHIFT:b1 << BLK_SHIFT], base + (b0 << BLK_SHIFT))
         except OSError as exc:
             self.stats.cache_errors += 1
             self.stats.promotions_dropped += 1
             log.warning("cannot write to the cache directory: %s", exc)
-            if x is not None:
+            if x is not None and not x.dirty:
                 self._remove_extent(cf, x)
             self._close_idle_fd(cf)
             return False
-        valid = block_mask(0, len(chunk))
         if x is None:
             x = cf.extents[e] = Extent(cf.ino, e, valid)
             self.pool.insert(x)
@@ -390,8 +528,9 @@ class Cache:
         self._close_idle_fd(cf)
         return True
 
-    def _make_room(self) -> bool:
-        while len(self.pool) >= self.capacity_exts:
+    def _make_room(self, n: int = 1) -> bool:
+        """Evict clean extents until `n` more fit; False if dirty data fills the pool."""
+        while len(self.pool) + n > self.capacity_exts:
             x = self.pool.victim()
             if x is None:
                 return False
@@ -408,6 +547,98 @@ class Cache:
     # -- writes ----------------------------------------------------------------------------
 
     async def write(self, of: OpenFile, off: int, data: bytes) -> int:
+        if self.write_back:
+            return await self._write_back(of, off, data)
+        return await self._write_through(of, off, data)
+
+    async def _write_back(self, of: OpenFile, off: int, data: bytes) -> int:
+        """Write-back: the write lands in the cache file, its blocks turn dirty, done.
+
+        Checkpoints: flow control (above --dirty-high), waiting for room while the pool is
+        full of dirty data, and filling a partly written block that BACKING holds bytes of.
+        After the last checkpoint everything is synchronous, hence atomic.
+        """
+        cf = of.cfile
+        end = off + len(data)
+        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        await self.destager.throttle(len(data))
+        while True:
+            gaps = self._partial_gaps(cf, off, end)
+            if gaps:
+                if not await self._fill_for_write(of, cf, gaps):
+                    await self.destager.wait_progress()
+                continue
+            missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
+            if missing and not self._make_room(missing):
+                self.stats.throttled_writes += 1
+                await self.destager.wait_progress()      # the pool is full of dirty data
+                continue
+            break
+        fd = self._cache_fd(cf)
+        os.pwrite(fd, data, off)                # raises on a failing SSD: nothing changed yet
+        for e in range(first, last + 1):
+            x = cf.extents.get(e)
+            if x is None:
+                x = cf.extents[e] = Extent(cf.ino, e)
+                self.pool.insert(x)
+                self._punch.pop(x.key, None)
+                self._punch_committing.pop(x.key, None)
+            base = e << EXT_SHIFT
+            m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
+            if x.valid & ~x.dirty & m and x.key not in self._journaled:
+                self.store.journal_dirtying(cf.ino, e)      # before clean data changes
+                self._journaled.add(x.key)
+            x.valid |= m
+            x.redirty |= m
+            self._set_dirty(cf, x, m)
+            self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
+        if end > cf.size:
+            cf.size = end
+        self._persist_identity(cf)
+        self._written.add(cf.ino)
+        if cf.wb_fd < 0:
+            cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
+        self.stats.write_ops += 1
+        self.stats.write_bytes += len(data)
+        if of.flags & (os.O_SYNC | os.O_DSYNC):
+            await self.persist(durable=True)
+        return len(data)
+
+    def _partial_gaps(self, cf: CachedFile, off: int, end: int) -> list[int]:
+        """Extents whose partly written first/last block holds BACKING bytes not cached."""
+        backing_size = cf.identity[1] if cf.identity else 0
+        gaps = []
+        for pos, partial in ((off, off & (BLK_SIZE - 1)), (end, end & (BLK_SIZE - 1))):
+            if not partial:
+                continue
+            blk_start = pos & ~(BLK_SIZE - 1)
+            if blk_start >= backing_size:
+                continue                        # past BACKING's end: zeros on both sides
+            x = cf.extents.get(blk_start >> EXT_SHIFT)
+            bit = 1 << ((blk_start & (EXT_SIZE - 1)) >> BLK_SHIFT)
+            if x is None or not x.valid & bit:
+                e = blk_start >> EXT_SHIFT
+                if e not in gaps:
+                    gaps.append(e)
+        return gaps
+
+    async def _fill_for_write(self, of: OpenFile, cf: CachedFile, exts: list[int]) -> bool:
+        """Read extents from BACKING into the cache so a sub-block write can be merged."""
+        self.stats.partial_block_fills += 1
+        for e in exts:
+            cf.fills.setdefault(e, False)
+        ok = True
+        for e in exts:
+            try:
+                chunk = await self._backing_read(of.backing_fd, EXT_SIZE, e << EXT_SHIFT)
+            except BaseException:
+                cf.fills.pop(e, None)
+                raise
+            if not self.install(cf, e, chunk):
+                ok = False
+        return ok
+
+    async def _write_through(self, of: OpenFile, off: int, data: bytes) -> int:
         """Write-through: BACKING first, then the cached blocks the write touches."""
         cf = of.cfile
         end = off + len(data)
@@ -459,37 +690,125 @@ class Cache:
             self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
             self._written.add(cf.ino)
 
+    def file_lock(self, cf: CachedFile) -> trio.Lock:
+        """Serialises a file's destaging with its truncation."""
+        if cf.lock is None:
+            cf.lock = trio.Lock()
+        return cf.lock
+
     async def truncate(self, ino: int, size: int, path: bytes, fd: int | None
                        ) -> os.stat_result:
         """Change a file's size in BACKING, dropping cached blocks past the new end."""
         cf = self.files.get(ino)
-        if cf is not None:
-            cf.clobber(size >> EXT_SHIFT, 1 << 62)
-            keep_below = size & ~0xFFF            # the block holding the new end is dropped
-            for x in list(cf.extents.values()):
-                base = x.ext << EXT_SHIFT
-                if base >= keep_below:
-                    self._remove_extent(cf, x)
-                elif base + EXT_SIZE > keep_below:
-                    x.gen += 1
-                    x.valid &= block_mask(0, keep_below - base)
-                    self.store.queue_extent(ino, x.ext, x.valid, x.dirty)
-            try:
-                if cf.cache_fd >= 0:
-                    os.ftruncate(cf.cache_fd, size)
-                elif cf.extents:
-                    os.truncate(self.cache_path(ino), size)
-            except FileNotFoundError:
-                pass
-            cf.writes_inflight += 1
+        if cf is None:
+            return await self.backing.write_call(_truncate_stat, path, fd, size)
+        async with self.file_lock(cf):
+            return await self._truncate_locked(cf, size, path, fd)
+
+    async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
+                               ) -> os.stat_result:
+        ino = cf.ino
+        cf.clobber(size >> EXT_SHIFT, 1 << 62)
+        had_dirty = cf.dirty_exts
+        if self.write_back:       # keep the block holding the new end: it may be dirty
+            keep_below = (size + BLK_SIZE - 1) & ~(BLK_SIZE - 1)
+        else:                     # drop it: a racing read must not see early zeros
+            keep_below = size & ~(BLK_SIZE - 1)
+        for x in list(cf.extents.values()):
+            base = x.ext << EXT_SHIFT
+            if base >= keep_below:
+                self._remove_extent(cf, x)
+            elif base + EXT_SIZE > keep_below:
+                keep = block_mask(0, keep_below - base)
+                x.gen += 1
+                self._clear_dirty(cf, x, x.dirty & ~keep)
+                x.valid &= keep
+                self.store.queue_extent(ino, x.ext, x.valid, x.dirty)
+        try:                      # zeros past the new end, as in BACKING
+            if cf.cache_fd >= 0:
+                os.ftruncate(cf.cache_fd, size)
+            elif cf.extents:
+                os.truncate(self.cache_path(ino), size)
+        except FileNotFoundError:
+            pass
+        if had_dirty and size < cf.size:
+            # Dirty data past the new end must never be destaged after a crash.
+            await self.persist(durable=True)
+        cf.writes_inflight += 1
         try:
             st = await self.backing.write_call(_truncate_stat, path, fd, size)
         finally:
-            if cf is not None:
-                cf.writes_inflight -= 1
-        if cf is not None:
-            self._own_change(cf, st, size_exact=True)
+            cf.writes_inflight -= 1
+        self._own_change(cf, st, size_exact=True)
         return st
+
+    async def fsync(self, of: OpenFile, datasync: bool) -> None:
+        """Write-back: data and the metadata naming it durable on the SSD. Write-through:
+        BACKING's fsync."""
+        if self.write_back:
+            await self.persist(durable=True)
+        else:
+            await self.backing.write_call(os.fdatasync if datasync else os.fsync,
+                                          of.backing_fd)
+
+    # -- destaging (state changes; the schedule lives in writeback.Destager) -----------------
+
+    def destage_plan(self, cf: CachedFile, max_bytes: int
+                     ) -> tuple[list[tuple[Extent, int]], list[tuple[int, int]]]:
+        """Snapshot a file's dirty extents in offset order: (extent, dirty mask) pairs, and
+        the byte runs to write, coalesced across extents and clipped to the file's size."""
+        plan: list[tuple[Extent, int]] = []
+        runs: list[tuple[int, int]] = []
+        total = 0
+        for e in sorted(e for e, x in cf.extents.items() if x.dirty):
+            x = cf.extents[e]
+            base = e << EXT_SHIFT
+            # Only blocks below the logical size are written, so only they may turn clean;
+            # a dirty block past it would be a bug, and it stays dirty rather than vanish.
+            snap = x.dirty & block_mask(0, min(cf.size - base, EXT_SIZE))
+            if snap != x.dirty:
+                log.error("inode %d extent %d: dirty blocks past the file's size %d",
+                          cf.ino, e, cf.size)
+            plan.append((x, snap))
+            x.redirty = 0
+            for b0, b1 in _runs(snap):
+                s, t = base + (b0 << BLK_SHIFT), min(base + (b1 << BLK_SHIFT), cf.size)
+                if t <= s:
+                    continue
+                if runs and runs[-1][0] + runs[-1][1] == s:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + t - s)
+                else:
+                    runs.append((s, t - s))
+                total += t - s
+            if total >= max_bytes:
+                break
+        return plan, runs
+
+    def destage_done(self, cf: CachedFile, plan: list[tuple[Extent, int]],
+                     st: os.stat_result) -> None:
+        """BACKING has the snapshot durably: blocks not rewritten since turn clean."""
+        for x, snap in plan:
+            if cf.extents.get(x.ext) is not x:
+                continue                         # truncated or dropped meanwhile
+            self._clear_dirty(cf, x, snap & ~x.redirty)
+            self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+        self._own_change(cf, st, size_exact=False)
+
+    def set_wb_fd(self, cf: CachedFile, fd: int) -> None:
+        cf.wb_fd = fd
+
+    def take_idle_wb_fd(self, cf: CachedFile) -> int:
+        """The destager's BACKING fd of a file that is clean and closed, to close; or -1."""
+        if cf.dirty_exts or cf.open_count or cf.wb_fd < 0:
+            return -1
+        fd, cf.wb_fd = cf.wb_fd, -1
+        return fd
+
+    def discard_orphan(self, cf: CachedFile) -> None:
+        """Dirty data of a file BACKING no longer has (removed while we were down)."""
+        log.warning("BACKING inode %d (last seen as %s) no longer exists; discarding its %d "
+                    "dirty extents", cf.ino, os.fsdecode(cf.path or b"?"), cf.dirty_exts)
+        self.drop_file(cf)
 
     # -- operator commands -------------------------------------------------------------------
 
@@ -509,6 +828,9 @@ class Cache:
 
     def status(self) -> dict:
         return {
+            "dirty_bytes": self.dirty_bytes(),
+            "dirty_extents": len(self.dirty),
+            "oldest_dirty_age_s": round(self.oldest_dirty_age_s(), 3),
             "cache_size": self.capacity_exts * EXT_SIZE,
             "cache_used": self.used_bytes(),
             "extents_cached": len(self.pool),
@@ -527,9 +849,18 @@ class Cache:
             await self.persist()
 
     async def persist(self, durable: bool = False) -> None:
-        """fdatasync cache data, commit the metadata claiming it, then release evicted space."""
-        if not self.store.pending() and not self._punch:
+        """fdatasync cache data, commit the metadata claiming it, then release evicted space.
+
+        Batches commit in the order they were taken (one at a time); a durable request
+        waits for its own batch, so everything queued before it is on the SSD when it returns.
+        """
+        async with self._persist_lock:
+            await self._persist_locked(durable)
+
+    async def _persist_locked(self, durable: bool) -> None:
+        if not self.store.pending() and not self._punch and not self._written:
             return
+        self._journaled = set()                 # the journal rotates with the batch
         batch = self.store.take_batch()
         self._punch_committing.update(self._punch)
         self._punch = {}
@@ -591,3 +922,18 @@ def _fdatasync_paths(paths: list[str]) -> None:
             os.fdatasync(fd)
         finally:
             os.close(fd)
+
+
+def _runs(mask: int) -> list[tuple[int, int]]:
+    """Runs of set bits in a block mask: [(first, end), ...] in block numbers."""
+    out = []
+    b = 0
+    while mask >> b:
+        if (mask >> b) & 1:
+            start = b
+            while (mask >> b) & 1:
+                b += 1
+            out.append((start, b))
+        else:
+            b += 1
+    return out

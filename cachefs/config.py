@@ -61,7 +61,7 @@ class Config:
     sequential_cutoff: int = 4 << 20
     dirty_high: int | None = None
     dirty_low: int | None = None
-    max_dirty_age_s: float = 300.0
+    max_dirty_age_s: float = 30.0
     foreground: bool = False
     fuse_options: tuple[str, ...] = ()
     attr_timeout_s: float = 1.0
@@ -74,9 +74,6 @@ class Config:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise UserError(f"mode {self.mode!r} is not one of {', '.join(MODES)}.")
-        if self.mode == "write-back":       # TODO(#3): the destager and flow control
-            raise UserError("write-back mode is not available in this version yet; "
-                            "use --mode write-through.")
         if self.cache_size is not None and self.cache_size < 16 * EXT_SIZE:
             raise UserError(f"cache size {self.cache_size} bytes is too small: "
                             f"the minimum is {format_size(16 * EXT_SIZE)}.")
@@ -84,5 +81,23 @@ class Config:
             raise UserError("--promote-after must be at least 1.")
         if self.sequential_cutoff < 0:
             raise UserError("--sequential-cutoff must not be negative.")
+        if self.dirty_high is not None and self.dirty_low is not None \
+                and self.dirty_low >= self.dirty_high:
+            raise UserError("--dirty-low must be below --dirty-high.")
+        if self.max_dirty_age_s <= 0:
+            raise UserError("--max-dirty-age must be a positive number of seconds.")
         if self.attr_timeout_s < 0 or self.entry_timeout_s < 0 or self.backing_timeout_s <= 0:
             raise UserError("timeouts must be positive numbers of seconds.")
+
+
+def dirty_marks(cfg: Config, capacity: int) -> tuple[int, int]:
+    """--dirty-high/--dirty-low, defaulted from the pool size: a quarter of the pool (at
+    most 1 GiB) and half of that. Raises UserError if dirty data could fill the pool."""
+    high = cfg.dirty_high if cfg.dirty_high is not None else min(capacity // 4, 1 << 30)
+    low = cfg.dirty_low if cfg.dirty_low is not None else high // 2
+    if high > capacity * 0.9:
+        raise UserError(f"--dirty-high {format_size(high)} leaves no room in a cache of "
+                        f"{format_size(capacity)}: keep it below 90 % of --cache-size.")
+    if low >= high:
+        raise UserError("--dirty-low must be below --dirty-high.")
+    return high, low

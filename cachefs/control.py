@@ -15,6 +15,8 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from .errors import CommandFailed
+
 log = logging.getLogger("cachefs.control")
 
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[dict]]
@@ -67,7 +69,16 @@ class ControlServer:
 
             try:
                 answer = await handler(request, progress)
-            except trio.BrokenResourceError:
+            except CommandFailed as exc:
+                answer = None
+                error = str(exc)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if answer is None:
+                try:
+                    await _send(stream, {"ok": False, "error": error})
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
                 return
             try:
                 await _send(stream, {"ok": True, **answer})

@@ -16,3 +16,7 @@ class BackingTimeout(OSError):
 
     def __init__(self, what: str, timeout_s: float):
         super().__init__(errno.EIO, f"BACKING {what} stalled for {timeout_s:g} s")
+
+
+class CommandFailed(Exception):
+    """A control command could not do what was asked; the sentence says why."""

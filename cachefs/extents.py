@@ -54,7 +54,7 @@ def popcount(mask: int) -> int:
 class Extent:
     """One cached 64 KiB extent: its valid and dirty block bitmaps and eviction bookkeeping."""
 
-    __slots__ = ("ino", "ext", "valid", "dirty", "gen", "freq", "queue")
+    __slots__ = ("ino", "ext", "valid", "dirty", "gen", "freq", "queue", "redirty")
 
     def __init__(self, ino: int, ext: int, valid: int = 0, dirty: int = 0):
         self.ino = ino
@@ -64,6 +64,7 @@ class Extent:
         self.gen = 0          # bumped whenever the extent's data changes under a pending await
         self.freq = 0         # S3-FIFO access counter, 0..3
         self.queue = None     # which eviction queue holds it (policy's business)
+        self.redirty = 0      # blocks written since the destager took its snapshot
 
     @property
     def key(self) -> tuple[int, int]:
@@ -79,7 +80,7 @@ class CachedFile:
     """
 
     __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
-                 "fills", "writes_inflight", "doomed")
+                 "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -91,6 +92,10 @@ class CachedFile:
         self.fills: dict[int, bool] = {}   # ext -> clobbered, for promotions in flight
         self.writes_inflight = 0
         self.doomed = False                # last link removed: drop at the last release
+        self.path: bytes | None = None     # BACKING path hint, for destaging after a restart
+        self.wb_fd = -1                    # writable BACKING fd the destager uses
+        self.lock = None                   # trio.Lock: destage vs truncate of this file
+        self.dirty_exts = 0                # extents with dirty blocks
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""

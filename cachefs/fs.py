@@ -63,7 +63,7 @@ class Operations(pyfuse3.Operations):
         a.st_uid = st.st_uid
         a.st_gid = st.st_gid
         a.st_rdev = st.st_rdev
-        a.st_size = st.st_size
+        a.st_size = self._cache.logical_size(ino, st.st_size)
         a.st_blksize = BLKSIZE
         a.st_blocks = st.st_blocks
         a.st_atime_ns = st.st_atime_ns
@@ -218,7 +218,9 @@ class Operations(pyfuse3.Operations):
             raise to_fuse_error(exc) from None
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         self._inodes.renamed(parent_inode_old, name_old, parent_inode_new, name_new, exchange)
-        self._cache.own_metadata_change(self._inodes.ino_of(st), st)
+        moved = self._inodes.ino_of(st)
+        self._cache.own_metadata_change(moved, st)
+        self._cache.renamed(moved, new)
         if (replaced is not None and not exchange and replaced.st_nlink <= 1
                 and stat_mod.S_ISREG(replaced.st_mode) and replaced.st_ino != st.st_ino):
             self._cache.last_link_removed(self._inodes.ino_of(replaced))
@@ -289,10 +291,8 @@ class Operations(pyfuse3.Operations):
             await self._close_send.send(fd)
 
     async def fsync(self, fh, datasync):
-        of = self._open[fh]
         try:
-            await self._backing.write_call(os.fdatasync if datasync else os.fsync,
-                                           of.backing_fd)
+            await self._cache.fsync(self._open[fh], datasync)
         except OSError as exc:
             raise to_fuse_error(exc) from None
 

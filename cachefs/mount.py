@@ -9,6 +9,7 @@ services stop -> a durable commit of all metadata (shielded) -> the store closes
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -16,7 +17,7 @@ import os
 import shutil
 import signal
 import socket
-import stat
+import time
 from typing import Callable
 
 import pyfuse3
@@ -24,9 +25,9 @@ import trio
 
 from .backing import Backing
 from .cache import Cache
-from .config import EXT_SIZE, Config, format_size
+from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer
-from .errors import UserError
+from .errors import CommandFailed, UserError
 from .fs import Operations
 from .inodes import InodeTable
 from .stats import Stats
@@ -184,9 +185,14 @@ class Daemon:
                         "revalidated against BACKING as files are opened")
         self.store.set_meta("mode", self.cfg.mode)
         capacity = cache_capacity(self.cfg, 0) // EXT_SIZE
+        high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
+        self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity,
                            on_stale=lambda ino: self.ops.kernel_invalidate(ino))
-        self.cache.load()
+        self.cache.load(self.clean_start)
+        if self.cache.dirty:
+            log.info("%s of dirty data from an earlier write-back mount will be destaged",
+                     format_size(self.cache.dirty_bytes()))
         inodes = InodeTable(self.cfg.backing, root_st)
         self.ops = Operations(self.cfg, self.cache, self.backing, inodes, self.control_path)
         log.info("cache %s: %s for %s, %d extents (%s) warm", self.cfg.cache_dir,
@@ -197,11 +203,49 @@ class Daemon:
         return {"stats": self.snapshot()}
 
     def snapshot(self) -> dict:
+        d = self.cache.destager
+        eta = d.eta_s()
         return {
             "backing": self.cfg.backing, "mountpoint": self.cfg.mountpoint,
             "cache_dir": self.cfg.cache_dir, "mode": self.cfg.mode, "pid": os.getpid(),
             **self.cache.status(), **self.stats.snapshot(),
+            "dirty_high": d.high, "dirty_low": d.low, "throttling": d.throttling(),
+            "destage_rate": round(d.rate), "eta_s": None if eta is None else round(eta, 1),
+            "throttle_delay_s": round(self.stats.throttle_delay_ns / 1e9, 3),
+            "last_destage_error": d.last_error,
         }
+
+    async def flush_cmd(self, request: dict, progress) -> dict:
+        """Destage everything; progress lines every half second; fails with the reason."""
+        timeout = request.get("timeout")
+        await self.flush(timeout, progress)
+        return {"dirty_bytes": 0}
+
+    async def flush(self, timeout_s: float | None, progress=None) -> None:
+        cache, d = self.cache, self.cache.destager
+        start = time.monotonic()
+        d.force += 1
+        try:
+            while cache.dirty:
+                if progress is not None:
+                    await progress({"dirty_bytes": cache.dirty_bytes(),
+                                    "destaged_bytes": self.stats.destaged_bytes,
+                                    "destage_rate": round(d.rate), "eta_s": d.eta_s()})
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise CommandFailed(
+                        f"flush timed out after {timeout_s:g} s with "
+                        f"{format_size(cache.dirty_bytes())} still dirty"
+                        + (f"; last error: {d.last_error}" if d.last_error else "") + ".")
+                if (d.last_error and d.last_error_s > start
+                        and time.monotonic() - d.last_progress_s > 5):
+                    raise CommandFailed(f"{d.last_error}; "
+                                        f"{format_size(cache.dirty_bytes())} still dirty.")
+                dirty_event = cache.progress_event
+                with trio.move_on_after(0.5):
+                    await dirty_event.wait()
+            await cache.persist(durable=True)
+        finally:
+            d.force -= 1
 
     async def drop_cmd(self, request: dict, progress) -> dict:
         n = self.cache.drop_clean()
@@ -213,7 +257,8 @@ class Daemon:
 
     async def serve(self, ready: Callable[[str | None], None]) -> None:
         control = ControlServer(self.control_path, {
-            "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd})
+            "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd,
+            "flush": self.flush_cmd})
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -222,6 +267,9 @@ class Daemon:
                 await nursery.start(self.cache.run_persister)
                 await nursery.start(self.ops.run_invalidator)
                 await nursery.start(self.ops.run_closer)
+                await nursery.start(self.cache.destager.run)
+                if self.cache.dirty and not self.cache.write_back:
+                    await self._destage_before_write_through()
                 try:
                     pyfuse3.init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
                 except RuntimeError as exc:
@@ -243,6 +291,15 @@ class Daemon:
                 await self.cache.persist(durable=True)
             self.store.close(clean=True)
             log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
+
+    async def _destage_before_write_through(self) -> None:
+        log.info("destaging %s of write-back data before mounting in write-through mode",
+                 format_size(self.cache.dirty_bytes()))
+        try:
+            await self.flush(None)
+        except CommandFailed as exc:
+            raise UserError(f"cannot mount in write-through mode: {exc} Mount in "
+                            "write-back mode or repair BACKING.") from None
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:

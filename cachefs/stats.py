@@ -14,6 +14,10 @@ COUNTERS = (
     "backing_read_ops", "backing_read_bytes", "backing_write_ops", "backing_write_bytes",
     "promotions", "promotions_dropped", "evictions",
     "stale_files", "backing_errors", "cache_errors",
+    "conflicts",                           # BACKING changed while we held dirty data
+    "partial_block_fills",                 # write-back: sub-block writes that read BACKING
+    "destage_ops", "destaged_bytes", "destage_errors",
+    "throttled_writes", "throttle_delay_ns",   # flow control: writes slowed, delay added
 )
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import struct
 import time
 
 from .errors import UserError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # meta: key/value facts about this cache directory.
 #   backing      real path of the BACKING directory this cache belongs to
@@ -25,7 +26,11 @@ SCHEMA_VERSION = 1
 # files: one row per BACKING inode with cached data.
 #   ino          BACKING st_ino (also the FUSE inode number and the cache file's name)
 #   size, mtime_ns, ctime_ns   BACKING's identity when the extents below were valid; a file
-#                whose identity differs when next seen has all its extents dropped
+#                whose identity differs when next seen has its clean extents dropped
+#   path         BACKING path (bytes) where the file was last seen; a hint for destaging
+#                after a restart, checked against ino (schema 2)
+#   lsize        the file's logical size: larger than `size` while extending writes are
+#                dirty (write-back); destaging writes up to it (schema 2)
 # extents: one row per cached 64 KiB extent.
 #   ext          extent index: bytes [ext*64 KiB, (ext+1)*64 KiB)
 #   valid        bitmap of 4 KiB blocks holding BACKING's bytes (bit i = block i)
@@ -34,7 +39,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS files (
     ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
-    mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL);
+    mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, path BLOB, lsize INTEGER);
 CREATE TABLE IF NOT EXISTS extents (
     ino INTEGER NOT NULL, ext INTEGER NOT NULL,
     valid INTEGER NOT NULL, dirty INTEGER NOT NULL DEFAULT 0,
@@ -50,10 +55,11 @@ class MetadataStore:
         self.path = os.path.join(cache_dir, "cachefs.db")
         self._db: sqlite3.Connection | None = None
         self._dropped: set[int] = set()                # files whose rows go first
-        self._files: dict[int, tuple[int, int, int]] = {}
+        self._files: dict[int, tuple[int, int, int, bytes | None, int]] = {}
         self._extents: dict[tuple[int, int], tuple[int, int] | None] = {}
         self.commits = 0
         self.last_commit_s = 0.0
+        self._jfd = -1
 
     # -- opening -------------------------------------------------------------------------
 
@@ -72,6 +78,9 @@ class MetadataStore:
                                 f"cachefs (schema {version}); upgrade cachefs or use another "
                                 "--cache-dir.")
             db.executescript(_SCHEMA)
+            if version == 1:
+                db.execute("ALTER TABLE files ADD COLUMN path BLOB")
+                db.execute("ALTER TABLE files ADD COLUMN lsize INTEGER")
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             meta = dict(db.execute("SELECT key, value FROM meta"))
         except sqlite3.DatabaseError as exc:
@@ -101,17 +110,21 @@ class MetadataStore:
         row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return row[0] if row else None
 
-    def load(self) -> tuple[dict[int, tuple[int, int, int]], list[tuple[int, int, int, int]]]:
-        """All files (ino -> (size, mtime_ns, ctime_ns)) and extents (ino, ext, valid, dirty)."""
-        files = {ino: (size, mt, ct) for ino, size, mt, ct in
-                 self._db.execute("SELECT ino, size, mtime_ns, ctime_ns FROM files")}
+    def load(self) -> tuple[dict[int, tuple[int, int, int, bytes | None, int]],
+                            list[tuple[int, int, int, int]]]:
+        """All files (ino -> (size, mtime_ns, ctime_ns, path, lsize)) and extents
+        (ino, ext, valid, dirty)."""
+        files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
+                 for ino, size, mt, ct, path, lsize in self._db.execute(
+                     "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
         extents = list(self._db.execute("SELECT ino, ext, valid, dirty FROM extents"))
         return files, extents
 
     # -- queueing (sync, cheap, called by the engine) ------------------------------------
 
-    def queue_file(self, ino: int, size: int, mtime_ns: int, ctime_ns: int) -> None:
-        self._files[ino] = (size, mtime_ns, ctime_ns)
+    def queue_file(self, ino: int, size: int, mtime_ns: int, ctime_ns: int,
+                   path: bytes | None, lsize: int) -> None:
+        self._files[ino] = (size, mtime_ns, ctime_ns, path, lsize)
 
     def queue_drop_file(self, ino: int) -> None:
         """Forget a file and all its extents (a later queue_file starts it afresh)."""
@@ -126,6 +139,48 @@ class MetadataStore:
     def queue_drop_extent(self, ino: int, ext: int) -> None:
         self._extents[(ino, ext)] = None
 
+    # -- the doubt journal (write-back) ----------------------------------------------------
+    # A write-back write that modifies blocks the database may record as clean appends
+    # (ino, ext) here first. The journal is rotated when a batch is taken and the previous
+    # one removed once that batch is committed; after an unclean stop, recovery treats every
+    # valid block of a journaled extent as dirty, so data newer than BACKING is never
+    # mistaken for clean.
+
+    def journal_dirtying(self, ino: int, ext: int) -> None:
+        if self._jfd < 0:
+            self._jfd = os.open(self._journal(""), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                                | os.O_CLOEXEC, 0o600)
+        os.write(self._jfd, struct.pack("<QQ", ino, ext))
+
+    def _journal(self, suffix: str) -> str:
+        return os.path.join(self.cache_dir, "doubt.log" + suffix)
+
+    def _rotate_journal(self) -> None:
+        if self._jfd >= 0:
+            os.close(self._jfd)
+            self._jfd = -1
+            os.replace(self._journal(""), self._journal(".prev"))
+
+    def read_journal(self) -> set[tuple[int, int]]:
+        """Extents in doubt after an unclean stop (both journal generations)."""
+        out: set[tuple[int, int]] = set()
+        for suffix in (".prev", ""):
+            try:
+                with open(self._journal(suffix), "rb") as f:
+                    raw = f.read()
+            except FileNotFoundError:
+                continue
+            for i in range(0, len(raw) - 15, 16):
+                out.add(struct.unpack_from("<QQ", raw, i))
+        return out
+
+    def clear_journal(self) -> None:
+        for suffix in (".prev", ""):
+            try:
+                os.unlink(self._journal(suffix))
+            except FileNotFoundError:
+                pass
+
     def pending(self) -> int:
         return len(self._dropped) + len(self._files) + len(self._extents)
 
@@ -135,6 +190,7 @@ class MetadataStore:
         """Detach the queued changes; the caller syncs their data, then calls commit()."""
         batch = (self._dropped, self._files, self._extents)
         self._dropped, self._files, self._extents = set(), {}, {}
+        self._rotate_journal()
         return batch
 
     def commit(self, batch: tuple[set, dict, dict], durable: bool) -> None:
@@ -148,7 +204,7 @@ class MetadataStore:
             if dropped:
                 db.executemany("DELETE FROM extents WHERE ino=?", [(i,) for i in dropped])
                 db.executemany("DELETE FROM files WHERE ino=?", [(i,) for i in dropped])
-            db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)",
+            db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
                            [(ino, *v) for ino, v in files.items()])
             db.executemany("DELETE FROM extents WHERE ino=? AND ext=?",
                            [k for k, v in extents.items() if v is None])
@@ -164,11 +220,19 @@ class MetadataStore:
                 db.execute("PRAGMA synchronous=NORMAL")
         self.commits += 1
         self.last_commit_s = time.monotonic()
+        try:
+            os.unlink(self._journal(".prev"))       # its extents' state is now recorded
+        except FileNotFoundError:
+            pass
 
     def close(self, clean: bool) -> None:
         if self._db is None:
             return
+        if self._jfd >= 0:
+            os.close(self._jfd)
+            self._jfd = -1
         if clean:
+            self.clear_journal()
             self._db.execute("PRAGMA synchronous=FULL")
             self.set_meta("clean", "1")
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

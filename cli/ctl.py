@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+import tqdm
+
 from cachefs.config import format_size
 from cachefs.errors import UserError
 
@@ -21,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
+    f = sub.add_parser("flush", help="destage every dirty byte to BACKING, with progress")
+    f.add_argument("mountpoint", metavar="MOUNTPOINT")
+    f.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after SECONDS")
+    f.add_argument("--json", action="store_true", help="machine-readable output, no bar")
     d = sub.add_parser("drop", help="evict all clean cached data (a cold cache on demand)")
     d.add_argument("mountpoint", metavar="MOUNTPOINT")
     d.add_argument("--json", action="store_true", help="machine-readable output")
@@ -32,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "stats":
             return cmd_stats(args)
+        if args.command == "flush":
+            return cmd_flush(args)
         return cmd_drop(args)
     except UserError as exc:
         print(f"cachefs-ctl: {exc}", file=sys.stderr)
@@ -67,6 +75,7 @@ def render(s: dict) -> str:
         ("  from BACKING", f"{s['miss_ops']} ops, {format_size(s['miss_bytes'])}"),
         ("  sequential bypass", f"{s['bypass_ops']} ops, {format_size(s['bypass_bytes'])}"),
         ("writes", f"{s['write_ops']} ops, {format_size(s['write_bytes'])}"),
+        *_writeback_rows(s),
         ("promotions", f"{s['promotions']} (+{s['promotions_dropped']} dropped), "
                        f"evictions {s['evictions']}"),
         ("coherence", f"{s['stale_files']} files changed behind the cache"),
@@ -74,6 +83,59 @@ def render(s: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError("--timeout needs a positive number of seconds.")
+    start = client.request(args.mountpoint, "stats")["stats"]
+    bar = None
+    if not args.json:
+        bar = tqdm.tqdm(total=start["dirty_bytes"], unit="B", unit_scale=True,
+                        unit_divisor=1024, desc="destaging", file=sys.stderr,
+                        disable=start["dirty_bytes"] == 0)
+    done = [0]
+
+    def on_progress(p: dict) -> None:
+        if bar is None:
+            return
+        left = p["dirty_bytes"]
+        if left > bar.total:                 # writers keep adding: grow the total
+            bar.total = bar.n + left
+        bar.update(max(0, bar.total - left - bar.n))
+        done[0] = bar.n
+
+    try:
+        client.request(args.mountpoint, "flush", timeout_s=None, on_progress=on_progress,
+                       timeout=args.timeout)
+    finally:
+        if bar is not None:
+            bar.close()
+    end = client.request(args.mountpoint, "stats")["stats"]
+    moved = end["destaged_bytes"] - start["destaged_bytes"]
+    if args.json:
+        print(json.dumps({"flushed_bytes": moved, "dirty_bytes": end["dirty_bytes"]}))
+    else:
+        print(f"flushed {format_size(moved)}; nothing is dirty")
+    return 0
+
+
+def _writeback_rows(s: dict) -> list[tuple[str, str]]:
+    if s["mode"] != "write-back" and not s["dirty_bytes"]:
+        return []
+    eta = s["eta_s"]
+    return [
+        ("dirty", f"{format_size(s['dirty_bytes'])} in {s['dirty_extents']} extents (high "
+                  f"{format_size(s['dirty_high'])}, low {format_size(s['dirty_low'])}); oldest "
+                  f"{s['oldest_dirty_age_s']:.1f} s"),
+        ("destage", f"{format_size(s['destaged_bytes'])} in {s['destage_ops']} passes, "
+                    f"{format_size(s['destage_rate'])}/s, ETA "
+                    f"{'-' if eta is None else f'{eta:.0f} s'}, errors {s['destage_errors']}"),
+        ("flow control", f"{'THROTTLING' if s['throttling'] else 'off'}; "
+                         f"{s['throttled_writes']} writes delayed "
+                         f"{s['throttle_delay_s']:.1f} s in all"),
+        ("conflicts", f"{s['conflicts']} (BACKING changed while dirty here)"),
+    ]
 
 
 def cmd_drop(args: argparse.Namespace) -> int:

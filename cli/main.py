@@ -12,6 +12,7 @@ import time
 
 from cachefs import __version__
 from cachefs import mount as mnt
+from cachefs.config import format_size
 from cachefs.errors import UserError
 
 from . import client
@@ -32,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.add_argument("--timeout", type=float, default=300, help="seconds to wait for the "
                    "daemon to persist its state (default 300)")
+    u.add_argument("--flush", action="store_true", help="destage all dirty data first")
     return p
 
 
@@ -116,16 +118,26 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     if not _is_cachefs_mount(mountpoint):
         raise UserError(f"{mountpoint} is not a cachefs mount.")
+    if args.flush:
+        from . import ctl
+        rc = ctl.main(["flush", mountpoint])
+        if rc:
+            return rc
     try:
-        pid = client.request(mountpoint, "pid", timeout_s=10)["pid"]
+        stats = client.request(mountpoint, "stats", timeout_s=10)["stats"]
+        pid = stats["pid"]
     except UserError:
-        pid = None                      # a dead daemon: unmounting is still right
+        stats, pid = None, None         # a dead daemon: unmounting is still right
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
         raise UserError(f"unmounting {mountpoint} failed: {res.stderr.strip()}")
     if pid is not None and not _wait_exit(pid, args.timeout):
         raise UserError(f"the cachefs daemon (pid {pid}) did not finish within "
                         f"{args.timeout:g} s; it keeps persisting in the background.")
+    if stats and stats["dirty_bytes"]:
+        print(f"cachefs: {format_size(stats['dirty_bytes'])} of write-back data stay dirty on "
+              f"the SSD in {stats['cache_dir']}; they are destaged at the next mount "
+              "(use --flush to destage before unmounting).")
     return 0
 
 

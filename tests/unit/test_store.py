@@ -16,18 +16,18 @@ def _open(tmp_path, backing="/srv/a"):
 
 def test_batches_round_trip_and_drop_then_readd(tmp_path):
     s = _open(tmp_path)
-    s.queue_file(10, 4096, 1, 2)
+    s.queue_file(10, 4096, 1, 2, b"a/f", 4096)
     s.queue_extent(10, 0, 0xFFFF, 0)
     s.queue_extent(10, 3, 0x1, 0)
     s.commit(s.take_batch(), durable=False)
     s.queue_drop_file(10)                 # identity changed ...
-    s.queue_file(10, 8192, 5, 6)          # ... and new data cached in the same batch
+    s.queue_file(10, 8192, 5, 6, None, 9000)          # ... and new data cached in the same batch
     s.queue_extent(10, 1, 0x3, 0)
     s.commit(s.take_batch(), durable=True)
     s.close(clean=True)
     s = _open(tmp_path)
     files, extents = s.load()
-    assert files == {10: (8192, 5, 6)}
+    assert files == {10: (8192, 5, 6, None, 9000)}
     assert extents == [(10, 1, 0x3, 0)]
 
 

@@ -1,0 +1,218 @@
+"""The destager and flow control of write-back mode.
+
+Owns the schedule: which dirty data goes to BACKING when, how fast writers may go, and the
+destage rate. Extent state changes are the engine's (`Cache.destage_plan`,
+`Cache.destage_done`); this module only decides and moves bytes.
+
+- Destaging: oldest dirty extent first; its file's dirty blocks are written in offset order,
+  coalesced into runs, up to `BATCH_BYTES` per pass, then BACKING is fdatasync'd; only then do
+  the blocks turn clean (unless rewritten meanwhile). Data is destaged when dirty data is
+  above --dirty-low, when it is older than the write-back delay (bounded by
+  --max-dirty-age), or while a flush is requested. A BACKING error keeps the data dirty
+  and retries that file with exponential backoff.
+- Flow control: above --dirty-high a writer waits (excess / destage rate) seconds before its
+  write is accepted: a proportional controller whose equilibrium is writers running at the
+  destage rate with dirty data just above the high mark. Below it writers run at SSD speed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat as stat_mod
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from .backing import Backing
+from .config import Config
+from .stats import Stats
+
+if TYPE_CHECKING:
+    from .cache import Cache
+    from .extents import CachedFile
+
+log = logging.getLogger("cachefs.writeback")
+
+BATCH_BYTES = 4 << 20          # one destage pass of a file
+MIN_RATE = 4 << 20             # B/s assumed before the first measurement
+MAX_DELAY_S = 2.0              # one write is never held longer than this
+BACKOFF_MAX_S = 30.0
+
+
+class Destager:
+    def __init__(self, cache: "Cache", backing: Backing, cfg: Config, stats: Stats):
+        self._cache = cache
+        self._backing = backing
+        self._stats = stats
+        self.high = cfg.dirty_high or 0
+        self.low = cfg.dirty_low or 0
+        self.delay_s = min(5.0, cfg.max_dirty_age_s / 2)
+        self.rate = 0.0                       # destage rate, bytes/s (moving average)
+        self.force = 0                        # flush requests in progress
+        self.last_error: str | None = None
+        self.last_error_s = 0.0
+        self.last_progress_s = time.monotonic()
+        self._backoff: dict[int, tuple[float, float]] = {}    # ino -> (retry at, delay)
+        self._root = os.fsencode(cfg.backing)
+
+    # -- flow control ------------------------------------------------------------------------
+
+    async def throttle(self, nbytes: int) -> None:
+        """Delay a write that would take dirty data above the high mark."""
+        if not self.high:
+            return
+        over = self._cache.dirty_bytes() + nbytes - self.high
+        if over <= 0:
+            return
+        delay = min(over / max(self.rate, MIN_RATE), MAX_DELAY_S)
+        self._stats.throttled_writes += 1
+        self._stats.throttle_delay_ns += int(delay * 1e9)
+        await trio.sleep(delay)
+
+    def throttling(self) -> bool:
+        return bool(self.high) and self._cache.dirty_bytes() > self.high
+
+    async def wait_progress(self, timeout_s: float = 0.5) -> None:
+        """Wait until some dirty data turned clean (or a short while)."""
+        with trio.move_on_after(timeout_s):
+            await self._cache.progress_event.wait()
+
+    # -- the destage loop --------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        cache = self._cache
+        while True:
+            cf = self._next_due()
+            if cf is None:
+                cache.dirty_event = trio.Event()
+                with trio.move_on_after(self._idle_wait_s()):
+                    await cache.dirty_event.wait()
+                continue
+            await self._destage(cf)
+            await trio.sleep(0)
+
+    def _idle_wait_s(self) -> float:
+        if not self._cache.dirty:
+            return 5.0
+        return 0.2
+
+    def _due(self) -> bool:
+        cache = self._cache
+        return (self.force > 0 or cache.dirty_bytes() > self.low
+                or cache.oldest_dirty_age_s() >= self.delay_s)
+
+    def _next_due(self) -> "CachedFile | None":
+        cache = self._cache
+        if not cache.dirty or not self._due():
+            return None
+        now = time.monotonic()
+        for ino, _ in cache.dirty:             # oldest first
+            retry = self._backoff.get(ino)
+            if retry is not None and retry[0] > now:
+                continue
+            cf = cache.files.get(ino)
+            if cf is not None:
+                return cf
+        return None
+
+    async def _destage(self, cf: "CachedFile") -> None:
+        cache = self._cache
+        async with cache.file_lock(cf):
+            if not cf.dirty_exts:
+                return
+            if cf.wb_fd < 0:
+                try:
+                    fd = await self._backing.write_call(_open_by_ino, self._root, cf.path,
+                                                        cf.ino)
+                except OSError as exc:
+                    self._failed(cf, exc)
+                    return
+                if fd < 0:
+                    cache.discard_orphan(cf)
+                    return
+                cache.set_wb_fd(cf, fd)
+            plan, runs = cache.destage_plan(cf, BATCH_BYTES)
+            nbytes = sum(n for _, n in runs)
+            t0 = time.monotonic()
+            try:
+                st = await self._backing.write_call(_destage_io, cache.cache_path(cf.ino),
+                                                    cf.wb_fd, runs)
+            except OSError as exc:
+                self._failed(cf, exc)
+                return
+            cache.destage_done(cf, plan, st)
+        self._backoff.pop(cf.ino, None)
+        elapsed = max(time.monotonic() - t0, 1e-6)
+        self._stats.destage_ops += 1
+        self._stats.destaged_bytes += nbytes
+        self.last_progress_s = time.monotonic()
+        if nbytes >= 64 << 10:
+            sample = nbytes / elapsed
+            self.rate = sample if not self.rate else 0.7 * self.rate + 0.3 * sample
+        fd = cache.take_idle_wb_fd(cf)
+        if fd >= 0:
+            await self._backing.write_call(os.close, fd)
+
+    def _failed(self, cf: "CachedFile", exc: OSError) -> None:
+        self._stats.destage_errors += 1
+        _, delay = self._backoff.get(cf.ino, (0.0, 0.5))
+        self._backoff[cf.ino] = (time.monotonic() + delay, min(delay * 2, BACKOFF_MAX_S))
+        self.last_error = (f"destaging {os.fsdecode(cf.path or b'?')} to BACKING failed: "
+                           f"{exc.strerror or exc}")
+        self.last_error_s = time.monotonic()
+        log.warning("%s; the data stays dirty on the SSD, retrying in %.1f s",
+                    self.last_error, delay)
+
+    # -- flush -------------------------------------------------------------------------------
+
+    def eta_s(self) -> float | None:
+        dirty = self._cache.dirty_bytes()
+        if not dirty:
+            return 0.0
+        return dirty / self.rate if self.rate else None
+
+
+def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]]) -> os.stat_result:
+    """Copy runs from the cache file to BACKING, then make BACKING durable (one thread call)."""
+    cfd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for off, size in runs:
+            data = memoryview(os.pread(cfd, size, off))
+            if len(data) < size:
+                data = memoryview(bytes(data) + bytes(size - len(data)))
+            done = 0
+            while done < size:
+                done += os.pwrite(fd, data[done:], off + done)
+    finally:
+        os.close(cfd)
+    os.fdatasync(fd)
+    return os.fstat(fd)
+
+
+def _open_by_ino(root: bytes, hint: bytes | None, ino: int) -> int:
+    """Open BACKING's file with inode `ino` for writing: at its path hint, or found by a
+    walk of BACKING (it was renamed while cachefs was down). -1 if it no longer exists."""
+    if hint:
+        try:
+            fd = os.open(hint, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+                raise
+        else:
+            if os.fstat(fd).st_ino == ino:
+                return fd
+            os.close(fd)
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
+                return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    return -1
