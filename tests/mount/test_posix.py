@@ -1,0 +1,762 @@
+"""POSIX operations through a real cachefs mount, one family per test.
+
+Every result is checked twice: through the mount (what programs see) and directly in BACKING
+(what the slow filesystem really holds), because the contract is that the mount is a plain
+directory tree identical to BACKING (DESIGN.md §1).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import stat
+import subprocess
+
+import pytest
+
+from tests.conftest import CTL, wait_until
+
+pytestmark = pytest.mark.fuse
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+USER = 12345                      # an unprivileged uid/gid for ownership and permission tests
+SGID_GROUP = 4242
+
+_libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD = -100
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def renameat2(old, new, flags: int) -> None:
+    if _libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new),
+                       ctypes.c_uint(flags)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(old))
+
+
+def same_stat(m, rel: str) -> os.stat_result:
+    """lstat through the mount and in BACKING agree on everything a program can see."""
+    b = os.lstat(flushed(m) / rel)
+    a = os.lstat(m.path(rel))
+    for f in ("st_mode", "st_uid", "st_gid", "st_size", "st_nlink", "st_mtime_ns"):
+        assert getattr(a, f) == getattr(b, f), (rel, f, getattr(a, f), getattr(b, f))
+    return a
+
+
+def flushed(m):
+    """BACKING, once it holds everything written through the mount.
+
+    Write-through: it always does. Write-back: after `cachefs-ctl flush` destaged every dirty
+    byte (DESIGN.md §2); only then may BACKING be compared with the mount.
+    """
+    if "write-back" in m.args:
+        res = subprocess.run([*CTL, "flush", str(m.mnt), "--json"], capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+    return m.backing
+
+
+def as_user(cwd, script: str, uid: int = USER, gid: int = USER) -> subprocess.CompletedProcess:
+    """Run a shell script as uid:gid with its working directory inside the mount.
+
+    The chdir happens while still root (subprocess does it before setuid), so the user needs
+    no access to the root-only directories above the mount.
+    """
+    return subprocess.run(["/bin/sh", "-c", script], cwd=cwd, user=uid, group=gid,
+                          extra_groups=[], capture_output=True, text=True, timeout=30)
+
+
+def direct_read_twice(path, size: int) -> None:
+    """Two reads that reach the daemon (O_DIRECT skips the page cache): promotes extents."""
+    buf = mmap.mmap(-1, size)
+    for _ in range(2):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert os.preadv(fd, [buf], 0) == size
+        finally:
+            os.close(fd)
+
+
+# -- lookup / getattr / readdir -------------------------------------------------------------
+
+def test_large_directory_listed_completely_once(mounted):
+    m = mounted
+    (m.backing / "big").mkdir()
+    names = {f"f{i:05d}" for i in range(3000)}
+    for i, n in enumerate(sorted(names)):
+        if i % 10:
+            (m.backing / "big" / n).write_bytes(b"")           # made behind the cache
+        else:
+            m.path("big", n).write_bytes(b"x")                  # made through the mount
+    listed = os.listdir(m.path("big"))
+    assert len(listed) == len(set(listed)) == 3000
+    assert set(listed) == names
+
+    # scandir: inode numbers and types come with the entries; add files mid-listing.
+    seen = []
+    with os.scandir(m.path("big")) as it:
+        for k, entry in enumerate(it):
+            seen.append(entry.name)
+            assert entry.is_file(follow_symlinks=False)
+            assert entry.inode() == os.lstat(m.backing / "big" / entry.name).st_ino
+            if k == 1000:
+                for j in range(50):
+                    m.path("big", f"new{j:03d}").write_bytes(b"")
+    assert len(seen) == len(set(seen))
+    assert names <= set(seen) <= names | {f"new{j:03d}" for j in range(50)}
+
+    ls = subprocess.run(["ls", "-f", str(m.path("big"))], capture_output=True, text=True,
+                        check=True).stdout.split()
+    ls = [n for n in ls if n not in (".", "..")]
+    assert len(ls) == len(set(ls)) == 3050
+    assert set(ls) == set(os.listdir(m.backing / "big"))
+    assert same_stat(m, "big/f00001").st_size == 0
+    assert same_stat(m, "big/f00000").st_size == 1
+
+
+def test_lookup_of_missing_and_nested_entries(mounted):
+    m = mounted
+    (m.backing / "a" / "b" / "c").mkdir(parents=True)
+    (m.backing / "a" / "b" / "c" / "f").write_bytes(b"deep")
+    assert m.path("a", "b", "c", "f").read_bytes() == b"deep"
+    with pytest.raises(FileNotFoundError):
+        os.stat(m.path("a", "nope"))
+    with pytest.raises(NotADirectoryError):
+        os.stat(m.path("a", "b", "c", "f", "x"))
+    same_stat(m, "a/b/c")
+    same_stat(m, "a/b/c/f")
+
+
+# -- setattr ----------------------------------------------------------------------------------
+
+def test_chmod_chown_utimens(mounted):
+    m = mounted
+    f = m.path("f")
+    f.write_bytes(b"data")
+    os.chmod(f, 0o640)
+    assert stat.S_IMODE(same_stat(m, "f").st_mode) == 0o640
+    os.chown(f, 1234, 5678)
+    st = same_stat(m, "f")
+    assert (st.st_uid, st.st_gid) == (1234, 5678)
+    os.chown(f, -1, 91)                                   # group only
+    assert (same_stat(m, "f").st_uid, same_stat(m, "f").st_gid) == (1234, 91)
+
+    atime, mtime = 1_000_000_001_123_456_789, 1_100_000_000_987_654_321
+    os.utime(f, ns=(atime, mtime))
+    for st in (os.stat(f), os.stat(m.backing / "f")):
+        assert (st.st_atime_ns, st.st_mtime_ns) == (atime, mtime)
+
+    # the same through an open descriptor (fchmod/fchown/futimens carry a file handle)
+    fd = os.open(f, os.O_RDWR)
+    try:
+        os.fchmod(fd, 0o604)
+        os.fchown(fd, 4321, 8765)
+        os.utime(fd, ns=(atime + 1, mtime + 1))
+    finally:
+        os.close(fd)
+    st = same_stat(m, "f")
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o604, 4321, 8765)
+    assert os.stat(m.backing / "f").st_mtime_ns == mtime + 1
+
+    d = m.path("d")
+    d.mkdir()
+    os.chmod(d, 0o2750)
+    assert stat.S_IMODE(same_stat(m, "d").st_mode) == 0o2750
+
+    os.symlink("f", m.path("l"))
+    os.chown(m.path("l"), 777, 778, follow_symlinks=False)
+    st = same_stat(m, "l")
+    assert (st.st_uid, st.st_gid) == (777, 778)
+    assert os.stat(m.backing / "f").st_uid == 4321        # the target did not change
+    assert f.read_bytes() == b"data"
+
+
+def test_truncate_by_path_and_fd(mounted):
+    m = mounted
+    data = os.urandom(200 * KiB)
+    f = m.path("f")
+    f.write_bytes(data)
+    os.truncate(f, 70_000)                                         # shrink, not block aligned
+    assert f.read_bytes() == data[:70_000]
+    assert (flushed(m) / "f").read_bytes() == data[:70_000]
+    os.truncate(f, 300 * KiB)                                      # grow: zeros
+    want = data[:70_000] + bytes(300 * KiB - 70_000)
+    assert f.read_bytes() == want
+    assert (flushed(m) / "f").read_bytes() == want
+    assert same_stat(m, "f").st_size == 300 * KiB
+
+    fd = os.open(f, os.O_RDWR)
+    try:
+        os.ftruncate(fd, 5000)
+        assert os.fstat(fd).st_size == 5000
+        assert os.pread(fd, 10_000, 0) == data[:5000]
+        os.ftruncate(fd, 9000)
+        assert os.pread(fd, 10_000, 0) == data[:5000] + bytes(4000)
+        os.ftruncate(fd, 0)
+        assert os.pread(fd, 10, 0) == b""
+    finally:
+        os.close(fd)
+    assert (flushed(m) / "f").read_bytes() == b""
+    assert same_stat(m, "f").st_size == 0
+
+
+def test_truncate_of_cached_file_drops_stale_blocks(mounted):
+    m = mounted
+    data = os.urandom(256 * KiB)
+    (m.backing / "f").write_bytes(data)
+    direct_read_twice(m.path("f"), len(data))
+    wait_until(lambda: m.stats()["extents_cached"] >= 4, 10, what="promotion of 4 extents")
+    os.truncate(m.path("f"), 100_001)
+    os.truncate(m.path("f"), 256 * KiB)
+    want = data[:100_001] + bytes(256 * KiB - 100_001)
+    fd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, 256 * KiB)
+        assert os.preadv(fd, [buf], 0) == 256 * KiB
+        assert bytes(buf) == want
+    finally:
+        os.close(fd)
+    assert m.path("f").read_bytes() == want
+    assert (flushed(m) / "f").read_bytes() == want
+
+
+# -- open / create flags ------------------------------------------------------------------------
+
+def test_o_append(mounted):
+    m = mounted
+    f = m.path("log")
+    f.write_bytes(b"start\n")
+    a = os.open(f, os.O_WRONLY | os.O_APPEND)
+    b = os.open(f, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(a, b"one\n")
+        os.write(b, b"two\n")
+        os.write(a, b"three\n")
+        os.lseek(b, 0, os.SEEK_SET)                      # O_APPEND ignores the position
+        os.write(b, b"four\n")
+    finally:
+        os.close(a)
+        os.close(b)
+    want = b"start\none\ntwo\nthree\nfour\n"
+    assert f.read_bytes() == want
+    assert (flushed(m) / "log").read_bytes() == want
+    with open(f, "ab") as fh:                           # a fresh O_APPEND|O_CREAT open
+        fh.write(b"five\n")
+    assert (flushed(m) / "log").read_bytes() == want + b"five\n"
+
+
+def test_o_trunc(mounted):
+    m = mounted
+    data = os.urandom(128 * KiB)
+    (m.backing / "f").write_bytes(data)
+    direct_read_twice(m.path("f"), len(data))                     # cached before truncation
+    wait_until(lambda: m.stats()["extents_cached"] >= 2, 10, what="promotion")
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_TRUNC)
+    try:
+        assert os.fstat(fd).st_size == 0
+        assert os.pread(fd, 100, 0) == b""
+        os.write(fd, b"new")
+    finally:
+        os.close(fd)
+    assert m.path("f").read_bytes() == b"new"
+    assert (flushed(m) / "f").read_bytes() == b"new"
+    assert same_stat(m, "f").st_size == 3
+
+
+def test_o_excl(mounted):
+    m = mounted
+    fd = os.open(m.path("x"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.close(fd)
+    assert (m.backing / "x").exists()
+    with pytest.raises(FileExistsError):
+        os.open(m.path("x"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    (m.backing / "behind").write_bytes(b"b")                       # never looked up yet
+    with pytest.raises(FileExistsError):
+        os.open(m.path("behind"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    assert (flushed(m) / "behind").read_bytes() == b"b"
+    m.path("dir").mkdir()
+    with pytest.raises(FileExistsError):
+        os.open(m.path("dir"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def test_o_direct(mounted):
+    m = mounted
+    size = 256 * KiB
+    wbuf = mmap.mmap(-1, size)                           # page aligned, as O_DIRECT wants
+    wbuf.write(os.urandom(size))
+    fd = os.open(m.path("d"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        assert os.pwrite(fd, wbuf, 0) == size
+        patch = mmap.mmap(-1, 4096)
+        patch.write(b"\xab" * 4096)
+        assert os.pwrite(fd, patch, 64 * KiB + 4096) == 4096      # an aligned overwrite
+    finally:
+        os.close(fd)
+    want = bytearray(wbuf)
+    want[64 * KiB + 4096:64 * KiB + 8192] = b"\xab" * 4096
+    assert (flushed(m) / "d").read_bytes() == want
+
+    rbuf = mmap.mmap(-1, size)
+    for i in range(3):                                  # miss, miss (promotes), then hits
+        if i == 2:
+            wait_until(lambda: m.stats()["extents_cached"] >= 4, 10, what="promotion")
+            hits = m.stats()["hit_ops"]
+        fd = os.open(m.path("d"), os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert os.preadv(fd, [rbuf], 0) == size
+            assert bytes(rbuf) == want
+            part = mmap.mmap(-1, 8192)
+            assert os.preadv(fd, [part], 60 * KiB) == 8192          # across an extent edge
+            assert bytes(part) == want[60 * KiB:60 * KiB + 8192]
+        finally:
+            os.close(fd)
+    assert m.stats()["hit_ops"] > hits                   # the last round came from the SSD
+    assert m.path("d").read_bytes() == want              # the buffered view agrees
+
+
+def test_o_sync(mounted):
+    m = mounted
+    fd = os.open(m.path("s"), os.O_WRONLY | os.O_CREAT | os.O_SYNC, 0o600)
+    try:
+        os.write(fd, b"durable")
+        assert (flushed(m) / "s").read_bytes() == b"durable"    # before close
+        os.write(fd, b" too")
+    finally:
+        os.close(fd)
+    assert (flushed(m) / "s").read_bytes() == b"durable too"
+    fd = os.open(m.path("s"), os.O_RDWR | os.O_DSYNC)
+    try:
+        os.pwrite(fd, b"D", 0)
+    finally:
+        os.close(fd)
+    assert (flushed(m) / "s").read_bytes() == b"Durable too"
+
+
+# -- namespace --------------------------------------------------------------------------------
+
+def test_mkdir_rmdir(mounted):
+    m = mounted
+    os.mkdir(m.path("d"), 0o750)
+    assert stat.S_ISDIR(same_stat(m, "d").st_mode)
+    assert stat.S_IMODE(os.stat(m.backing / "d").st_mode) == 0o750
+    with pytest.raises(FileExistsError):
+        os.mkdir(m.path("d"))
+    m.path("d", "f").write_bytes(b"x")
+    with pytest.raises(OSError) as exc:
+        os.rmdir(m.path("d"))
+    assert exc.value.errno == errno.ENOTEMPTY
+    assert (m.backing / "d" / "f").exists()
+    with pytest.raises(NotADirectoryError):
+        os.rmdir(m.path("d", "f"))
+    os.unlink(m.path("d", "f"))
+    os.rmdir(m.path("d"))
+    assert not m.path("d").exists()
+    assert not (m.backing / "d").exists()
+    assert "d" not in os.listdir(m.mnt)
+    with pytest.raises(FileNotFoundError):
+        os.rmdir(m.path("d"))
+
+
+def test_unlink(mounted):
+    m = mounted
+    m.path("f").write_bytes(b"x")
+    os.unlink(m.path("f"))
+    assert not (m.backing / "f").exists()
+    assert "f" not in os.listdir(m.mnt)
+    with pytest.raises(FileNotFoundError):
+        os.unlink(m.path("f"))
+    m.path("d").mkdir()
+    with pytest.raises(IsADirectoryError):
+        os.unlink(m.path("d"))
+
+
+def test_unlink_open_file_leaves_the_listing(mounted):
+    m = mounted
+    m.path("f").write_bytes(b"old")
+    fd = os.open(m.path("f"), os.O_RDWR)
+    try:
+        os.unlink(m.path("f"))
+        assert "f" not in os.listdir(m.mnt)
+        assert not m.path("f").exists()
+        assert not (m.backing / "f").exists()
+        m.path("f").write_bytes(b"a new file under the old name")
+    finally:
+        os.close(fd)
+    assert m.path("f").read_bytes() == b"a new file under the old name"
+    assert (flushed(m) / "f").read_bytes() == b"a new file under the old name"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: an unlinked but open file cannot be read, fstat'd "
+                   "or ftruncate'd through its fd (ENOENT): getattr/setattr resolve the inode "
+                   "by its (removed) path")
+def test_unlinked_open_file_stays_usable_through_its_fd(mounted):
+    m = mounted
+    data = os.urandom(100 * KiB)
+    m.path("f").write_bytes(data)
+    fd = os.open(m.path("f"), os.O_RDWR)
+    try:
+        os.unlink(m.path("f"))
+        assert os.pread(fd, len(data), 0) == data
+        os.pwrite(fd, b"after unlink", 10)
+        assert os.pread(fd, 12, 10) == b"after unlink"
+        assert os.fstat(fd).st_size == len(data)
+        os.ftruncate(fd, 22)
+        assert os.pread(fd, 100, 0) == data[:10] + b"after unlink"
+    finally:
+        os.close(fd)
+
+
+def test_rename_file_and_over_existing_target(mounted):
+    m = mounted
+    m.path("a").write_bytes(b"A" * 5000)
+    m.path("b").write_bytes(b"B")
+    os.rename(m.path("a"), m.path("c"))
+    assert not m.path("a").exists() and not (m.backing / "a").exists()
+    assert m.path("c").read_bytes() == b"A" * 5000
+    assert (flushed(m) / "c").read_bytes() == b"A" * 5000
+
+    os.rename(m.path("c"), m.path("b"))                      # replaces b
+    assert m.path("b").read_bytes() == b"A" * 5000
+    assert (flushed(m) / "b").read_bytes() == b"A" * 5000
+    assert sorted(os.listdir(m.mnt)) == ["b"]
+    assert sorted(os.listdir(m.backing)) == ["b"]
+
+    m.path("b2").write_bytes(b"x")
+    os.rename(m.path("b"), m.path("b2"))                     # into the kernel-known target
+    assert m.path("b2").read_bytes() == b"A" * 5000
+    with pytest.raises(FileNotFoundError):
+        os.rename(m.path("nope"), m.path("b3"))
+
+
+def test_rename_directory_with_children(mounted):
+    m = mounted
+    m.path("d", "sub").mkdir(parents=True)
+    m.path("d", "sub", "f").write_bytes(b"child")
+    fd = os.open(m.path("d", "sub", "f"), os.O_RDWR)         # looked up before the rename
+    try:
+        os.rename(m.path("d"), m.path("e"))
+        assert m.path("e", "sub", "f").read_bytes() == b"child"
+        assert not m.path("d").exists()
+        os.pwrite(fd, b"C", 0)
+        assert (flushed(m) / "e" / "sub" / "f").read_bytes() == b"Child"
+    finally:
+        os.close(fd)
+    m.path("e", "sub", "g").write_bytes(b"new child")
+    assert (flushed(m) / "e" / "sub" / "g").read_bytes() == b"new child"
+    os.rename(m.path("e", "sub"), m.path("top"))
+    assert sorted(os.listdir(m.path("top"))) == ["f", "g"]
+    assert m.path("top", "f").read_bytes() == b"Child"
+    same_stat(m, "top/g")
+    m.path("full").mkdir()
+    m.path("full", "x").write_bytes(b"")
+    with pytest.raises(OSError) as exc:
+        os.rename(m.path("top"), m.path("full"))
+    assert exc.value.errno in (errno.ENOTEMPTY, errno.EEXIST)
+
+
+def test_rename_noreplace_and_exchange(mounted):
+    m = mounted
+    m.path("a").write_bytes(b"AAA")
+    m.path("b").write_bytes(b"BB")
+    with pytest.raises(FileExistsError):
+        renameat2(m.path("a"), m.path("b"), RENAME_NOREPLACE)
+    assert m.path("a").read_bytes() == b"AAA" and m.path("b").read_bytes() == b"BB"
+    renameat2(m.path("a"), m.path("c"), RENAME_NOREPLACE)
+    assert m.path("c").read_bytes() == b"AAA" and not (flushed(m) / "a").exists()
+
+    ino_b, ino_c = os.stat(m.path("b")).st_ino, os.stat(m.path("c")).st_ino
+    renameat2(m.path("b"), m.path("c"), RENAME_EXCHANGE)
+    assert m.path("b").read_bytes() == b"AAA" and m.path("c").read_bytes() == b"BB"
+    assert (flushed(m) / "b").read_bytes() == b"AAA"
+    assert (flushed(m) / "c").read_bytes() == b"BB"
+    assert (os.stat(m.path("b")).st_ino, os.stat(m.path("c")).st_ino) == (ino_c, ino_b)
+
+    m.path("dir").mkdir()
+    m.path("dir", "inside").write_bytes(b"in")
+    renameat2(m.path("dir"), m.path("b"), RENAME_EXCHANGE)           # a file <-> a directory
+    assert m.path("b", "inside").read_bytes() == b"in"
+    assert m.path("dir").read_bytes() == b"AAA"
+    assert (flushed(m) / "b" / "inside").read_bytes() == b"in"
+    m.path("b", "inside").write_bytes(b"IN")
+    assert (flushed(m) / "b" / "inside").read_bytes() == b"IN"
+    with pytest.raises(FileNotFoundError):
+        renameat2(m.path("dir"), m.path("missing"), RENAME_EXCHANGE)
+
+
+def test_hard_link(mounted):
+    m = mounted
+    m.path("a").write_bytes(b"hello world")
+    os.link(m.path("a"), m.path("b"))
+    sa, sb = os.stat(m.path("a")), os.stat(m.path("b"))
+    assert sa.st_ino == sb.st_ino
+    assert sa.st_nlink == sb.st_nlink == 2
+    assert os.stat(m.backing / "b").st_ino == os.stat(m.backing / "a").st_ino
+    with open(m.path("a"), "r+b") as f:
+        f.seek(6)
+        f.write(b"WORLD")
+    assert m.path("b").read_bytes() == b"hello WORLD"
+    assert (flushed(m) / "b").read_bytes() == b"hello WORLD"
+    with open(m.path("b"), "ab") as f:
+        f.write(b"!")
+    assert m.path("a").read_bytes() == b"hello WORLD!"
+    os.unlink(m.path("a"))
+    assert m.path("b").read_bytes() == b"hello WORLD!"
+    assert same_stat(m, "b").st_nlink == 1
+    with pytest.raises(FileExistsError):
+        os.link(m.path("b"), m.path("b"))
+
+
+def test_symlink_readlink(mounted):
+    m = mounted
+    m.path("target").write_bytes(b"T")
+    os.symlink("target", m.path("rel"))
+    os.symlink("/definitely/not/here", m.path("dangling"))
+    assert os.readlink(m.path("rel")) == "target"
+    assert os.readlink(m.backing / "rel") == "target"
+    assert os.readlink(m.path("dangling")) == "/definitely/not/here"
+    assert stat.S_ISLNK(same_stat(m, "rel").st_mode)
+    assert m.path("rel").read_bytes() == b"T"
+    with pytest.raises(FileNotFoundError):
+        m.path("dangling").read_bytes()
+    os.symlink("rel", m.path("chain"))
+    assert m.path("chain").read_bytes() == b"T"
+    os.unlink(m.path("rel"))
+    assert (m.backing / "target").exists()
+    assert not os.path.lexists(m.backing / "rel")
+
+
+def test_mkfifo(mounted):
+    m = mounted
+    os.mkfifo(m.path("p"), 0o640)
+    st = same_stat(m, "p")
+    assert stat.S_ISFIFO(st.st_mode)
+    assert stat.S_ISFIFO(os.stat(m.backing / "p").st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o640
+    r = os.open(m.path("p"), os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        w = os.open(m.path("p"), os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(w, b"through the pipe")
+            assert os.read(r, 100) == b"through the pipe"
+        finally:
+            os.close(w)
+    finally:
+        os.close(r)
+
+
+# -- xattrs, statfs, fsync, mmap, fallocate, sparse and large files ---------------------------
+
+def test_xattrs(mounted):
+    m = mounted
+    f = m.path("f")
+    f.write_bytes(b"x")
+    os.setxattr(f, "user.color", b"blue")
+    os.setxattr(f, "user.empty", b"")
+    assert os.getxattr(f, "user.color") == b"blue"
+    assert os.getxattr(m.backing / "f", "user.color") == b"blue"
+    assert os.getxattr(f, "user.empty") == b""
+    assert set(os.listxattr(f)) >= {"user.color", "user.empty"}
+    os.setxattr(f, "user.color", b"red" * 1000)
+    assert os.getxattr(f, "user.color") == b"red" * 1000
+    os.removexattr(f, "user.color")
+    assert "user.color" not in os.listxattr(f)
+    assert "user.color" not in os.listxattr(m.backing / "f")
+    with pytest.raises(OSError) as exc:
+        os.getxattr(f, "user.color")
+    assert exc.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as exc:
+        os.removexattr(f, "user.color")
+    assert exc.value.errno == errno.ENODATA
+
+    # directories and BACKING-made xattrs
+    m.path("d").mkdir()
+    os.setxattr(m.backing / "d", "user.behind", b"b")
+    assert os.getxattr(m.path("d"), "user.behind") == b"b"
+
+    # the root: the control attribute answers but is never listed, and cannot be changed
+    assert os.getxattr(m.mnt, "user.cachefs.control")
+    assert "user.cachefs.control" not in os.listxattr(m.mnt)
+    os.setxattr(m.mnt, "user.root", b"r")
+    assert os.getxattr(m.backing, "user.root") == b"r"
+    assert "user.root" in os.listxattr(m.mnt)
+    assert "user.cachefs.control" not in os.listxattr(m.mnt)
+    with pytest.raises(PermissionError):
+        os.setxattr(m.mnt, "user.cachefs.control", b"/tmp/evil")
+
+
+def test_xattr_create_replace_flags(mounted):
+    m = mounted
+    f = m.path("f")
+    f.write_bytes(b"x")
+    os.setxattr(f, "user.a", b"1")
+    with pytest.raises(FileExistsError):
+        os.setxattr(f, "user.a", b"2", os.XATTR_CREATE)
+    with pytest.raises(OSError) as exc:
+        os.setxattr(f, "user.b", b"2", os.XATTR_REPLACE)
+    assert exc.value.errno == errno.ENODATA
+
+
+def test_statfs(mounted):
+    m = mounted
+    a, b = os.statvfs(m.mnt), os.statvfs(m.backing)
+    assert a.f_blocks == b.f_blocks
+    assert a.f_frsize == b.f_frsize
+    assert a.f_files == b.f_files
+    assert a.f_namemax == b.f_namemax
+    assert abs(a.f_bfree - b.f_bfree) * b.f_frsize < 256 * MiB       # others use the disk too
+    assert abs(a.f_bavail - b.f_bavail) * b.f_frsize < 256 * MiB
+
+
+def test_fsync_fdatasync(mounted):
+    m = mounted
+    fd = os.open(m.path("f"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"a" * 10_000)
+        os.fsync(fd)
+        assert (flushed(m) / "f").read_bytes() == b"a" * 10_000
+        os.pwrite(fd, b"b", 10_000)
+        os.fdatasync(fd)
+        assert (flushed(m) / "f").read_bytes() == b"a" * 10_000 + b"b"
+    finally:
+        os.close(fd)
+    dfd = os.open(m.mnt, os.O_RDONLY | os.O_DIRECTORY)          # fsync of a directory
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def test_mmap_shared_write_and_read(mounted):
+    m = mounted
+    data = bytearray(os.urandom(3 * 4096 + 100))
+    m.path("f").write_bytes(data)
+    with open(m.path("f"), "r+b") as fh:
+        mm = mmap.mmap(fh.fileno(), len(data), mmap.MAP_SHARED,
+                       mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            assert mm[:] == data
+            mm[5000:5011] = b"mmap wrote!"
+            mm[len(data) - 3:] = b"END"
+            mm.flush()                                            # msync
+        finally:
+            mm.close()
+    data[5000:5011] = b"mmap wrote!"
+    data[len(data) - 3:] = b"END"
+    assert (flushed(m) / "f").read_bytes() == data
+    assert m.path("f").read_bytes() == data
+
+    (m.backing / "g").write_bytes(b"G" * 20_000)                   # read-only map of BACKING data
+    with open(m.path("g"), "rb") as fh:
+        with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            assert mm[:] == b"G" * 20_000
+
+
+def test_posix_fallocate(mounted):
+    m = mounted
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"keep me")
+        os.posix_fallocate(fd, 0, 1 * MiB)
+        assert os.fstat(fd).st_size == 1 * MiB
+        assert os.pread(fd, 7, 0) == b"keep me"
+        os.posix_fallocate(fd, 0, 4096)                   # inside the file: size unchanged
+        assert os.fstat(fd).st_size == 1 * MiB
+    finally:
+        os.close(fd)
+    assert same_stat(m, "f").st_size == 1 * MiB
+    want = b"keep me" + bytes(1 * MiB - 7)
+    assert (flushed(m) / "f").read_bytes() == want
+    assert m.path("f").read_bytes() == want
+
+
+def test_sparse_file_beyond_4gib(mounted):
+    m = mounted
+    payload = os.urandom(4096)
+    edge = os.urandom(8192)
+    fd = os.open(m.path("big"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert os.pwrite(fd, payload, 5 * GiB) == 4096
+        assert os.pwrite(fd, edge, 4 * GiB - 4096) == 8192       # straddles 2**32
+        assert os.fstat(fd).st_size == 5 * GiB + 4096
+        for _ in range(3):                        # misses, then (promoted) hits
+            assert os.pread(fd, 4096, 5 * GiB) == payload
+            assert os.pread(fd, 8192, 4 * GiB - 4096) == edge
+            assert os.pread(fd, 4096, 0) == bytes(4096)
+            assert os.pread(fd, 4096, 2 * GiB + 123) == bytes(4096)
+            assert os.pread(fd, 100, 5 * GiB + 4000) == payload[4000:]
+        assert os.pread(fd, 10, 5 * GiB + 4096) == b""
+    finally:
+        os.close(fd)
+    st = same_stat(m, "big")
+    assert st.st_size == 5 * GiB + 4096
+    bst = os.stat(flushed(m) / "big")
+    assert bst.st_blocks * 512 < 16 * MiB                       # BACKING stayed sparse
+    with open(flushed(m) / "big", "rb") as f:
+        f.seek(5 * GiB)
+        assert f.read() == payload
+        f.seek(4 * GiB - 4096)
+        assert f.read(8192) == edge
+    os.truncate(m.path("big"), 6 * GiB)
+    assert same_stat(m, "big").st_size == 6 * GiB
+    with open(m.path("big"), "rb") as f:
+        f.seek(6 * GiB - 4096)
+        assert f.read() == bytes(4096)
+
+
+# -- ownership and permissions ------------------------------------------------------------------
+
+def test_new_nodes_belong_to_the_caller(mounted):
+    m = mounted
+    m.path("pub").mkdir()
+    os.chmod(m.path("pub"), 0o777)
+    r = as_user(m.path("pub"), "set -e; echo data > file; mkdir dir; ln -s file sym; "
+                "mkfifo fifo; echo orig > orig; ln orig hard; : > dir/inner")
+    assert r.returncode == 0, r.stderr
+    for name in ("file", "dir", "sym", "fifo", "orig", "hard", "dir/inner"):
+        for st in (os.lstat(m.backing / "pub" / name), os.lstat(m.path("pub", name))):
+            assert (st.st_uid, st.st_gid) == (USER, USER), (name, st)
+    assert os.stat(m.path("pub", "hard")).st_ino == os.stat(m.path("pub", "orig")).st_ino
+    assert (flushed(m) / "pub" / "file").read_bytes() == b"data\n"
+
+
+def test_setgid_directory_passes_its_group(mounted):
+    m = mounted
+    m.path("sg").mkdir()
+    os.chown(m.path("sg"), 0, SGID_GROUP)
+    os.chmod(m.path("sg"), 0o2777)
+    assert stat.S_IMODE(os.stat(m.backing / "sg").st_mode) == 0o2777
+    r = as_user(m.path("sg"), "set -e; echo x > f; mkdir d; ln -s f l; mkfifo p")
+    assert r.returncode == 0, r.stderr
+    for name in ("f", "d", "l", "p"):
+        for st in (os.lstat(m.backing / "sg" / name), os.lstat(m.path("sg", name))):
+            assert (st.st_uid, st.st_gid) == (USER, SGID_GROUP), (name, st)
+    for st in (os.stat(m.backing / "sg" / "d"), os.stat(m.path("sg", "d"))):
+        assert st.st_mode & stat.S_ISGID                 # subdirectories inherit the bit
+
+
+def test_permission_checks_for_other_users(mounted):
+    m = mounted
+    m.path("pub").mkdir()
+    os.chmod(m.path("pub"), 0o755)
+    m.path("pub", "secret").write_bytes(b"root only")
+    os.chmod(m.path("pub", "secret"), 0o600)
+    m.path("pub", "open").write_bytes(b"everyone")
+    os.chmod(m.path("pub", "open"), 0o644)
+
+    r = as_user(m.path("pub"), "cat secret")
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+    r = as_user(m.path("pub"), "echo x >> secret")
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+    r = as_user(m.path("pub"), "chmod 666 secret")
+    assert r.returncode != 0 and "not permitted" in r.stderr, r
+    r = as_user(m.path("pub"), "echo x > newfile")                    # 0755 dir of root
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+    r = as_user(m.path("pub"), "rm -f open")
+    assert r.returncode != 0, r
+    r = as_user(m.path("pub"), "cat open")
+    assert r.returncode == 0 and r.stdout == "everyone", r
+    assert (flushed(m) / "pub" / "secret").read_bytes() == b"root only"
+    assert stat.S_IMODE(os.stat(m.backing / "pub" / "secret").st_mode) == 0o600
+    assert sorted(os.listdir(m.backing / "pub")) == ["open", "secret"]
