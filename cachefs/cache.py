@@ -33,8 +33,10 @@ log = logging.getLogger("cachefs.cache")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _FALLOC_PUNCH = 0x01 | 0x02          # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-_FLAGS_NOT_FOR_BACKING = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | getattr(
-    os, "O_DIRECT", 0)
+# O_APPEND: the kernel passes the offset; O_DIRECT: Python buffers are not aligned;
+# O_TRUNC: truncation goes through the engine, which must drop cached (and dirty) data.
+_FLAGS_NOT_FOR_BACKING = (os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_TRUNC
+                          | getattr(os, "O_DIRECT", 0))
 
 
 def identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -327,14 +329,26 @@ class Cache:
     def _discard(self, cf: CachedFile) -> None:
         self.drop_file(cf)
         self._close_idle_fd(cf)
-        if cf.wb_fd >= 0:
-            os.close(cf.wb_fd)          # unlinked file: no BACKING I/O that could block
-            cf.wb_fd = -1
+        if cf.wb_fd >= 0 and not (cf.lock is not None and cf.lock.locked()):
+            os.close(cf.wb_fd)          # unlinked: no BACKING flush to wait for
+            cf.wb_fd = -1               # (while destaging, the destager closes it after)
         del self.files[cf.ino]
         try:
             os.unlink(self.cache_path(cf.ino))
         except FileNotFoundError:
             pass
+
+    def _file_for(self, ino: int) -> CachedFile:
+        """The cache state of inode `ino`; a fresh one if the old file of that number was
+        deleted and its last handle is still to be released (the kernel reuses numbers, and
+        RELEASE may arrive after the next CREATE)."""
+        cf = self.files.get(ino)
+        if cf is not None and cf.doomed:
+            self.drop_file(cf)                  # its old handles now read BACKING's old inode
+            cf = None
+        if cf is None:
+            cf = self.files[ino] = CachedFile(ino)
+        return cf
 
     # -- open / release --------------------------------------------------------------------
 
@@ -342,16 +356,19 @@ class Cache:
         """Open BACKING, revalidate cached data; returns the handle and whether the kernel may
         keep its page cache for the file."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
-        if flags & os.O_TRUNC:
-            fd, st = await self.backing.write_call(_open_fstat, path, bflags)
-        else:
-            fd, st = await self.backing.read_call("open", _open_fstat, path, bflags)
-        cf = self.files.get(ino)
-        if cf is None:
-            cf = self.files[ino] = CachedFile(ino)
+        fd, st = await self.backing.read_call("open", _open_fstat, path, bflags)
+        cf = self._file_for(ino)
         unchanged = self.revalidate(cf, st) and cf.identity is not None
         cf.path = path
         cf.open_count += 1
+        if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY:
+            try:
+                await self.truncate(ino, 0, path, fd)
+            except BaseException:
+                cf.open_count -= 1
+                os.close(fd)
+                raise
+            unchanged = False
         if cf.extents:
             try:
                 self._cache_fd(cf)
@@ -368,12 +385,17 @@ class Cache:
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | (flags & os.O_EXCL) | os.O_CLOEXEC
         fd, st = await self.backing.write_call(bk.create, path, bflags, mode, uid, gid, parent)
         ino = remember(st)
-        cf = self.files.get(ino)
-        if cf is None:
-            cf = self.files[ino] = CachedFile(ino)
+        cf = self._file_for(ino)
         self.revalidate(cf, st)
         cf.path = path
         cf.open_count += 1
+        if flags & os.O_TRUNC and (st.st_size or cf.size):     # it existed: truncate it
+            try:
+                st = await self.truncate(ino, 0, path, fd)
+            except BaseException:
+                cf.open_count -= 1
+                os.close(fd)
+                raise
         return OpenFile(fh, cf, fd, flags, self.stats), st
 
     def release(self, of: OpenFile) -> int:
@@ -497,6 +519,10 @@ class Cache:
         valid = block_mask(0, len(chunk))
         fill = valid & ~x.valid if x is not None else valid   # valid blocks are as new or newer
         base = e << EXT_SHIFT
+        if len(chunk) & (BLK_SIZE - 1):
+            # BACKING ended inside this block: the rest of it is zeros, in the cache file too
+            # (it may still hold bytes of an evicted extent whose hole is not punched yet).
+            chunk = bytes(chunk) + bytes(BLK_SIZE - (len(chunk) & (BLK_SIZE - 1)))
         try:
             fd = self._cache_fd(cf)
             if fill == valid:
@@ -575,6 +601,11 @@ class Cache:
                 continue
             break
         fd = self._cache_fd(cf)
+        head, tail = self._zero_pads(cf, off, end)
+        if head:
+            os.pwrite(fd, bytes(head), off - head)
+        if tail:
+            os.pwrite(fd, bytes(tail), end)
         os.pwrite(fd, data, off)                # raises on a failing SSD: nothing changed yet
         for e in range(first, last + 1):
             x = cf.extents.get(e)
@@ -603,6 +634,27 @@ class Cache:
         if of.flags & (os.O_SYNC | os.O_DSYNC):
             await self.persist(durable=True)
         return len(data)
+
+    def _zero_pads(self, cf: CachedFile, off: int, end: int) -> tuple[int, int]:
+        """Bytes to zero before and after a write in its partly written first and last
+        blocks when those are not valid (past BACKING's end, so their other bytes are zeros;
+        the cache file may still hold an evicted extent's old bytes there)."""
+        pads = []
+        for pos, before in ((off, True), (end, False)):
+            part = pos & (BLK_SIZE - 1)
+            if not part:
+                pads.append(0)
+                continue
+            blk_start = pos - part
+            x = cf.extents.get(blk_start >> EXT_SHIFT)
+            bit = 1 << ((blk_start & (EXT_SIZE - 1)) >> BLK_SHIFT)
+            if x is not None and x.valid & bit:
+                pads.append(0)
+            else:
+                pads.append(part if before else BLK_SIZE - part)
+        if (off >> BLK_SHIFT) == ((end - 1) >> BLK_SHIFT) and pads[0] and pads[1]:
+            pass                                # one block: both pads are its two sides
+        return pads[0], pads[1]
 
     def _partial_gaps(self, cf: CachedFile, off: int, end: int) -> list[int]:
         """Extents whose partly written first/last block holds BACKING bytes not cached."""
@@ -782,11 +834,16 @@ class Cache:
                 total += t - s
             if total >= max_bytes:
                 break
+        cf.writes_inflight += 1          # BACKING is about to change under our own hand
         return plan, runs
+
+    def destage_failed(self, cf: CachedFile) -> None:
+        cf.writes_inflight -= 1
 
     def destage_done(self, cf: CachedFile, plan: list[tuple[Extent, int]],
                      st: os.stat_result) -> None:
         """BACKING has the snapshot durably: blocks not rewritten since turn clean."""
+        cf.writes_inflight -= 1
         for x, snap in plan:
             if cf.extents.get(x.ext) is not x:
                 continue                         # truncated or dropped meanwhile

@@ -45,6 +45,7 @@ class Operations(pyfuse3.Operations):
         self._inodes = inodes
         self._control_path = os.fsencode(control_path)
         self._open: dict[int, OpenFile] = {}
+        self._handles: dict[int, list[OpenFile]] = {}        # ino -> its open handles
         self._dirs: dict[int, tuple[int, list]] = {}
         self._next_fh = 1
         self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
@@ -81,6 +82,21 @@ class Operations(pyfuse3.Operations):
             return self._inodes.path(ino)
         except OSError as exc:
             raise to_fuse_error(exc) from None
+
+    def _add_handle(self, of: OpenFile) -> None:
+        self._open[of.fh] = of
+        self._handles.setdefault(of.ino, []).append(of)
+
+    def _handle_fd(self, inode: int, fh: int | None = None, writable: bool = False
+                   ) -> int | None:
+        """A BACKING fd of an open handle of `inode` (the one named by `fh` if it fits):
+        it reaches the file even after its last name is gone."""
+        def fits(of: OpenFile) -> bool:
+            return not writable or of.flags & os.O_ACCMODE != os.O_RDONLY
+        of = self._open.get(fh) if fh is not None else None
+        if of is None or not fits(of):
+            of = next((o for o in self._handles.get(inode, ()) if fits(o)), None)
+        return of.backing_fd if of is not None else None
 
     def _entry(self, parent: int, name: bytes, st: os.stat_result) -> pyfuse3.EntryAttributes:
         ino = self._inodes.remember(parent, name, st)
@@ -129,18 +145,25 @@ class Operations(pyfuse3.Operations):
             self._cache.forget(ino)
 
     async def getattr(self, inode, ctx=None):
-        path = self._path(inode)
+        fd = self._handle_fd(inode)
         try:
-            st = await self._backing.lstat(path)
+            if fd is not None:
+                st = await self._backing.fstat(fd)
+            else:
+                st = await self._backing.lstat(self._path(inode))
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.attributes_seen(inode, st)
         return self._attr(st, inode)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
-        path = self._path(inode)
-        of = self._open.get(fh) if fh is not None else None
-        fd = of.backing_fd if of is not None and of.flags & os.O_ACCMODE != os.O_RDONLY else None
+        fd = self._handle_fd(inode, fh, writable=bool(fields.update_size))
+        try:
+            path = self._inodes.path(inode)
+        except OSError:
+            if fd is None:
+                raise FUSEError(errno.ENOENT) from None
+            path = b""                          # unlinked but open: the fd does it all
         try:
             if fields.update_size:
                 await self._cache.truncate(inode, attr.st_size, path, fd)
@@ -248,7 +271,7 @@ class Operations(pyfuse3.Operations):
             of, keep = await self._cache.open(fh, inode, path, flags)
         except OSError as exc:
             raise to_fuse_error(exc) from None
-        self._open[fh] = of
+        self._add_handle(of)
         return self._file_info(of, keep)
 
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -261,7 +284,7 @@ class Operations(pyfuse3.Operations):
                                                                                name, st))
         except OSError as exc:
             raise to_fuse_error(exc) from None
-        self._open[fh] = of
+        self._add_handle(of)
         return self._file_info(of, True), self._attr(st, of.ino)
 
     async def read(self, fh, off, size):
@@ -284,7 +307,12 @@ class Operations(pyfuse3.Operations):
         pass
 
     async def release(self, fh):
-        fd = self._cache.release(self._open.pop(fh))
+        of = self._open.pop(fh)
+        handles = self._handles[of.ino]
+        handles.remove(of)
+        if not handles:
+            del self._handles[of.ino]
+        fd = self._cache.release(of)
         try:
             self._close_send.send_nowait(fd)
         except trio.WouldBlock:

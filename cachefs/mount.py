@@ -273,8 +273,9 @@ class Daemon:
                 try:
                     pyfuse3.init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
                 except RuntimeError as exc:
-                    raise UserError(f"mounting {self.cfg.mountpoint} failed ({exc}); see "
-                                    "the messages above.") from None
+                    raise UserError(f"mounting {self.cfg.mountpoint} failed ({exc}); libfuse "
+                                    "says why above (an unknown -o option, a busy or "
+                                    "unusable mountpoint).") from None
                 mounted = True
                 nursery.start_soon(self._signals)
                 ready(None)

@@ -114,10 +114,15 @@ class MetadataStore:
                             list[tuple[int, int, int, int]]]:
         """All files (ino -> (size, mtime_ns, ctime_ns, path, lsize)) and extents
         (ino, ext, valid, dirty)."""
-        files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
-                 for ino, size, mt, ct, path, lsize in self._db.execute(
-                     "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
-        extents = list(self._db.execute("SELECT ino, ext, valid, dirty FROM extents"))
+        try:
+            files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
+                     for ino, size, mt, ct, path, lsize in self._db.execute(
+                         "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
+            extents = list(self._db.execute("SELECT ino, ext, valid, dirty FROM extents"))
+        except sqlite3.DatabaseError as exc:
+            raise UserError(f"the metadata database {self.path} is corrupt ({exc}); move the "
+                            "cache directory away to start a cold cache (dirty write-back "
+                            "data in it needs recovery by hand).") from None
         return files, extents
 
     # -- queueing (sync, cheap, called by the engine) ------------------------------------

@@ -141,7 +141,10 @@ class Destager:
             try:
                 st = await self._backing.write_call(_destage_io, cache.cache_path(cf.ino),
                                                     cf.wb_fd, runs)
-            except OSError as exc:
+            except BaseException as exc:
+                cache.destage_failed(cf)
+                if not isinstance(exc, OSError):
+                    raise
                 self._failed(cf, exc)
                 return
             cache.destage_done(cf, plan, st)

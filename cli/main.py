@@ -58,6 +58,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     mnt.prepare_cache_dir(cfg)
     log_path = os.path.join(cfg.cache_dir, "cachefs.log")
     r, w = os.pipe()
+    log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cachefs_cli.main", *config_to_argv(cfg)],
@@ -67,12 +68,25 @@ def cmd_mount(args: argparse.Namespace) -> int:
     answer = _read_ready(r, proc)
     if answer == "ok":
         return 0
+    libfuse = _libfuse_lines(log_path, log_start)      # e.g. "fuse: unknown option(s)"
+    if answer and libfuse:
+        answer = answer.replace("libfuse says why above", "libfuse said: " + "; ".join(libfuse))
     if answer:
         print(f"cachefs: {answer}", file=sys.stderr)
     else:
         print(f"cachefs: the daemon exited (status {proc.poll()}) before the mount was ready; "
               f"see {log_path}.", file=sys.stderr)
     return 1
+
+
+def _libfuse_lines(log_path: str, start: int) -> list[str]:
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.startswith("fuse:")]
 
 
 def _read_ready(fd: int, proc: subprocess.Popen) -> str:

@@ -122,7 +122,7 @@ class Mount:
         return self.mnt.joinpath(*parts)
 
 
-@pytest.fixture(params=["write-through"])
+@pytest.fixture(params=["write-through", "write-back"])
 def mode(request) -> str:
     return request.param
 

@@ -281,9 +281,6 @@ def test_unknown_fuse_option(env):
     env.assert_nothing_left()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: in the background mode libfuse's 'unknown "
-                   "option(s)' message goes only to CACHE/cachefs.log; stderr says 'mounting MNT "
-                   "failed (fuse_session_new() failed); see the messages above.' and shows none")
 def test_unknown_fuse_option_background_names_it(env):
     res = env.mount("-o", "bogus_opt_xyz")
     env.assert_nothing_left()
@@ -423,10 +420,6 @@ def test_corrupt_database_garbage(make_mount, env, fg):
     assert (m.backing / "f").stat().st_size == 256 * 1024      # BACKING untouched
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a damaged table page is only detected in "
-                   "MetadataStore.load(), outside the DatabaseError guard: -f prints a traceback "
-                   "(sqlite3.DatabaseError: database disk image is malformed), the background "
-                   "mode only 'the daemon stopped before the mount was ready.'")
 @BOTH
 def test_corrupt_database_damaged_table_page(make_mount, env, fg):
     """A valid header and schema, but the page holding the extent table is garbage."""

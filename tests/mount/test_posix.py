@@ -388,9 +388,6 @@ def test_unlink_open_file_leaves_the_listing(mounted):
     assert (flushed(m) / "f").read_bytes() == b"a new file under the old name"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an unlinked but open file cannot be read, fstat'd "
-                   "or ftruncate'd through its fd (ENOENT): getattr/setattr resolve the inode "
-                   "by its (removed) path")
 def test_unlinked_open_file_stays_usable_through_its_fd(mounted):
     m = mounted
     data = os.urandom(100 * KiB)
