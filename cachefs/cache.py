@@ -652,9 +652,7 @@ class Cache:
                 pads.append(0)
             else:
                 pads.append(part if before else BLK_SIZE - part)
-        if (off >> BLK_SHIFT) == ((end - 1) >> BLK_SHIFT) and pads[0] and pads[1]:
-            pass                                # one block: both pads are its two sides
-        return pads[0], pads[1]
+        return pads[0], pads[1]             # (within one block: its two sides)
 
     def _partial_gaps(self, cf: CachedFile, off: int, end: int) -> list[int]:
         """Extents whose partly written first/last block holds BACKING bytes not cached."""
