@@ -24,7 +24,7 @@ from .backing import Backing
 from .config import BLK_SIZE, EXT_SIZE, Config
 from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask,
                       covered_mask, popcount)
-from .policy import Admission, S3Fifo, SequentialDetector
+from .policy import Admission, Clock, S3Fifo, SequentialDetector
 from .stats import Stats
 from .store import MetadataStore
 from .writeback import Destager
@@ -99,7 +99,7 @@ class Cache:
         self.stats = stats
         self.capacity_exts = capacity_exts
         self.files: dict[int, CachedFile] = {}
-        self.pool = S3Fifo(capacity_exts)
+        self.pool = (S3Fifo if cfg.eviction == "s3-fifo" else Clock)(capacity_exts)
         self.admission = Admission(cfg.promote_after)
         self._on_stale = on_stale
         self._data_dir = os.path.join(cfg.cache_dir, "data")

@@ -14,6 +14,7 @@ BLK_SIZE = 4096
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 MODES = ("write-through", "write-back")
+EVICTIONS = ("s3-fifo", "clock")
 
 
 def parse_size(text: str, what: str = "size") -> int:
@@ -70,6 +71,7 @@ class Config:
     backing_threads: int = 16
     commit_interval_s: float = 1.0
     debug: bool = False
+    eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +79,9 @@ class Config:
         if self.cache_size is not None and self.cache_size < 16 * EXT_SIZE:
             raise UserError(f"cache size {self.cache_size} bytes is too small: "
                             f"the minimum is {format_size(16 * EXT_SIZE)}.")
+        if self.eviction not in EVICTIONS:
+            raise UserError(f"eviction policy {self.eviction!r} is not one of "
+                            f"{', '.join(EVICTIONS)}.")
         if self.promote_after < 1:
             raise UserError("--promote-after must be at least 1.")
         if self.sequential_cutoff < 0:

@@ -14,6 +14,7 @@ _O_NAMES = {
     "promote_after": "promote_after", "sequential_cutoff": "sequential_cutoff",
     "dirty_high": "dirty_high", "dirty_low": "dirty_low", "max_dirty_age": "max_dirty_age",
     "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
+    "eviction": "eviction",
 }
 # mount(8) and systemd options that mean nothing to FUSE.
 _IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
@@ -37,6 +38,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attr-timeout", help="seconds the kernel caches attributes (default 1)")
     p.add_argument("--backing-timeout", help="seconds before a stalled BACKING read fails "
                    "with EIO (default 60)")
+    p.add_argument("--eviction", help="eviction policy: s3-fifo (default) or clock "
+                   "(an LRU approximation, for comparisons)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
                    help="comma-separated cachefs (name=value) or FUSE mount options")
@@ -85,6 +88,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         kw["dirty_low"] = parse_size(values["dirty_low"], "--dirty-low")
     if "max_dirty_age" in values:
         kw["max_dirty_age_s"] = _number(values["max_dirty_age"], "--max-dirty-age")
+    if "eviction" in values:
+        kw["eviction"] = values["eviction"]
     if "attr_timeout" in values:
         t = _number(values["attr_timeout"], "--attr-timeout")
         kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
@@ -102,7 +107,7 @@ def config_to_argv(cfg: Config) -> list[str]:
             "--sequential-cutoff", str(cfg.sequential_cutoff),
             "--max-dirty-age", repr(cfg.max_dirty_age_s),
             "--attr-timeout", repr(cfg.attr_timeout_s),
-            "--backing-timeout", repr(cfg.backing_timeout_s)]
+            "--backing-timeout", repr(cfg.backing_timeout_s), "--eviction", cfg.eviction]
     if cfg.cache_size is not None:
         argv += ["--cache-size", str(cfg.cache_size)]
     if cfg.dirty_high is not None:

@@ -59,8 +59,9 @@ def test_one_read_does_not_promote(make_mount):
     assert s["extents_cached"] == 0 and s["promotions"] == 0
 
 
-def test_usage_never_exceeds_small_cache_size(make_mount):
-    m = make_mount("--cache-size", "1M", "--promote-after", "1")
+@pytest.mark.parametrize("eviction", ["s3-fifo", "clock"])
+def test_usage_never_exceeds_small_cache_size(make_mount, eviction):
+    m = make_mount("--cache-size", "1M", "--promote-after", "1", "--eviction", eviction)
     files = {f"f{i}": os.urandom(1 << 20) for i in range(4)}
     for name, data in files.items():
         (m.backing / name).write_bytes(data)

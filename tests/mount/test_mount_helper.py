@@ -48,3 +48,13 @@ def test_bad_fstab_option_is_a_sentence(tmp_path):
                           "cache_size=lots"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "cache-size 'lots' is not a size" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unknown_eviction_policy_is_a_sentence(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "m").mkdir()
+    out = subprocess.run([*CACHEFS, "mount", "--eviction", "lru", str(tmp_path / "b"),
+                          str(tmp_path / "m")], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "eviction policy 'lru' is not one of s3-fifo, clock" in out.stderr
+    assert "Traceback" not in out.stderr
