@@ -689,46 +689,73 @@ class Cache:
         return ok
 
     async def _write_through(self, of: OpenFile, off: int, data: bytes) -> int:
-        """Write-through: BACKING first, then the cached blocks the write touches."""
+        """Write-through: BACKING first, then the cached blocks the write touches.
+
+        While the BACKING write is in flight the touched blocks are invalid (readers go to
+        BACKING). Afterwards the bytes go into the cache only if no other write or truncate
+        touched those extents meanwhile (then the order of the two in BACKING is unknown and
+        the blocks stay invalid); fills that overlapped are dropped.
+        """
         cf = of.cfile
         end = off + len(data)
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
         cf.clobber(first, last)
-        touched = []
+        mine = []
         for e in range(first, last + 1):
+            track = cf.wtrack.get(e)
+            if track is None:
+                track = cf.wtrack[e] = [0, 0]
+            track[0] += 1
+            track[1] += 1
+            mine.append((e, track[1], track[0] == 1))
             x = cf.extents.get(e)
             if x is not None:
                 base = e << EXT_SHIFT
-                x.gen += 1
-                touched.append((x, x.gen, x.valid))
                 x.valid &= ~block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
+        trunc_seq = cf.trunc_seq
         cf.writes_inflight += 1
         try:
             written, st = await self.backing.pwrite_stat(of.backing_fd, data, off)
         except OSError:
             self.stats.backing_errors += 1
-            for x, _, _ in touched:
-                self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
             raise
         finally:
             cf.writes_inflight -= 1
+            alone = {}
+            for e, seq, first_in in mine:
+                track = cf.wtrack[e]
+                alone[e] = first_in and track[1] == seq and track[0] == 1
+                track[0] -= 1
+                if not track[0]:
+                    del cf.wtrack[e]
+            for e in range(first, last + 1):
+                x = cf.extents.get(e)
+                if x is not None:
+                    self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
+        cf.clobber(first, last)       # fills that may have read BACKING before our write
         self.stats.write_ops += 1
         self.stats.write_bytes += written
         self.stats.backing_write_ops += 1
         self.stats.backing_write_bytes += written
         self._own_change(cf, st, size_exact=False)
-        if touched:
-            self._update_cached(cf, off, data, touched)
+        if trunc_seq == cf.trunc_seq:
+            self._update_cached(cf, off, data, alone)
         return written
 
-    def _update_cached(self, cf: CachedFile, off: int, data: bytes, touched: list) -> None:
+    def _update_cached(self, cf: CachedFile, off: int, data: bytes,
+                       alone: dict[int, bool]) -> None:
+        """Put a completed write's bytes into the cached extents it was alone on."""
         end = off + len(data)
         view = memoryview(data)
-        for x, gen, old_valid in touched:
-            if x.gen != gen or cf.extents.get(x.ext) is not x:
-                continue                  # overtaken by another write, truncate or eviction
-            base = x.ext << EXT_SHIFT
+        for e, ok in alone.items():
+            x = cf.extents.get(e)
+            if x is None:
+                continue
+            base = e << EXT_SHIFT
             s, t = max(off, base), min(end, base + EXT_SIZE)
+            if not ok:
+                x.valid &= ~block_mask(s - base, t - base)
+                continue
             try:
                 os.pwrite(self._cache_fd(cf), view[s - off:t - off], s)
             except OSError as exc:
@@ -736,7 +763,8 @@ class Cache:
                 log.warning("cannot update the cache directory: %s", exc)
                 self._remove_extent(cf, x)
                 continue
-            x.valid = old_valid | covered_mask(s - base, t - base, cf.size - base)
+            # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
+            x.valid |= covered_mask(s - base, t - base, cf.size - base)
             self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
             self._written.add(cf.ino)
 
@@ -755,11 +783,11 @@ class Cache:
         async with self.file_lock(cf):
             return await self._truncate_locked(cf, size, path, fd)
 
-    async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
-                               ) -> os.stat_result:
-        ino = cf.ino
+    def _trim(self, cf: CachedFile, size: int) -> None:
+        """Drop cached blocks past a new size (dirty ones too) and zero the cache file
+        there, as BACKING will be."""
         cf.clobber(size >> EXT_SHIFT, 1 << 62)
-        had_dirty = cf.dirty_exts
+        cf.trunc_seq += 1
         if self.write_back:       # keep the block holding the new end: it may be dirty
             keep_below = (size + BLK_SIZE - 1) & ~(BLK_SIZE - 1)
         else:                     # drop it: a racing read must not see early zeros
@@ -773,14 +801,19 @@ class Cache:
                 x.gen += 1
                 self._clear_dirty(cf, x, x.dirty & ~keep)
                 x.valid &= keep
-                self.store.queue_extent(ino, x.ext, x.valid, x.dirty)
-        try:                      # zeros past the new end, as in BACKING
+                self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+        try:
             if cf.cache_fd >= 0:
                 os.ftruncate(cf.cache_fd, size)
-            elif cf.extents:
-                os.truncate(self.cache_path(ino), size)
+            else:
+                os.truncate(self.cache_path(cf.ino), size)
         except FileNotFoundError:
             pass
+
+    async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
+                               ) -> os.stat_result:
+        had_dirty = cf.dirty_exts
+        self._trim(cf, min(size, cf.size))
         if had_dirty and size < cf.size:
             # Dirty data past the new end must never be destaged after a crash.
             await self.persist(durable=True)
@@ -789,6 +822,8 @@ class Cache:
             st = await self.backing.write_call(_truncate_stat, path, fd, size)
         finally:
             cf.writes_inflight -= 1
+            # Fills that read the old contents during the call may have been installed.
+            self._trim(cf, min(size, cf.size))
         self._own_change(cf, st, size_exact=True)
         return st
 

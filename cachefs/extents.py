@@ -80,7 +80,8 @@ class CachedFile:
     """
 
     __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
-                 "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts")
+                 "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts",
+                 "wtrack", "trunc_seq")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -96,6 +97,8 @@ class CachedFile:
         self.wb_fd = -1                    # writable BACKING fd the destager uses
         self.lock = None                   # trio.Lock: destage vs truncate of this file
         self.dirty_exts = 0                # extents with dirty blocks
+        self.wtrack: dict[int, list[int]] = {}   # ext -> [write-through writes in flight, seq]
+        self.trunc_seq = 0                 # bumped by every truncation
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""
