@@ -81,6 +81,8 @@ class OpenFile:
         except OSError:                     # the SSD failed us: BACKING still has the data
             self.stats.cache_errors += 1
             return None
+        if len(data) < end - off:           # past the cache file's end: zeros, as in a hole
+            data += bytes(end - off - len(data))
         self.seq.note(off, size)            # a stream stays a stream across cached parts
         st = self.stats
         st.read_ops += 1
@@ -116,6 +118,7 @@ class Cache:
         self.dirty_event = trio.Event()          # set when data turns dirty (wakes the destager)
         self.progress_event = trio.Event()       # set when data turns clean (wakes writers)
         self._journaled: set[tuple[int, int]] = set()
+        self.change_seq = 0                      # bumped by every change cachefs makes
         self.destager = Destager(self, backing, cfg, stats)
 
     # -- state -----------------------------------------------------------------------------
@@ -236,13 +239,33 @@ class Cache:
         except OSError:          # missing or unwritable: the map no longer claims it anyway
             pass
 
-    def revalidate(self, cf: CachedFile, st: os.stat_result) -> bool:
+    def stat_token(self, ino: int | None) -> tuple:
+        """Taken before a BACKING stat: lets revalidate() ignore a stat that our own change
+        overtook while it was in flight (its attributes would look like a change behind us)."""
+        if ino is None:
+            return (None, self.change_seq)
+        cf = self.files.get(ino)
+        return (cf, cf.change_seq if cf is not None else 0)
+
+    def _overtaken(self, cf: CachedFile, token: tuple | None) -> bool:
+        if token is None:
+            return False
+        if token[0] is None:
+            return token[1] != self.change_seq
+        return token[0] is not cf or token[1] != cf.change_seq
+
+    def revalidate(self, cf: CachedFile, st: os.stat_result, token: tuple | None = None
+                   ) -> bool:
         """Compare BACKING's identity with the recorded one; drop stale data. True if same."""
         ident = identity(st)
         if cf.identity == ident:
             return True
-        if cf.writes_inflight:          # our own write is changing it; its fstat follows
-            return True
+        if cf.identity is None:
+            cf.identity = ident
+            cf.size = st.st_size
+            return False
+        if cf.writes_inflight or self._overtaken(cf, token):
+            return True                 # our own change is in flight or overtook the stat
         if cf.dirty_exts:
             self._conflict(cf, ident)
             cf.identity = ident
@@ -276,6 +299,8 @@ class Cache:
 
     def _own_change(self, cf: CachedFile, st: os.stat_result, size_exact: bool) -> None:
         """Record BACKING's identity after a change made by cachefs itself."""
+        cf.change_seq += 1
+        self.change_seq += 1
         cf.identity = identity(st)
         if size_exact:
             cf.size = st.st_size
@@ -298,16 +323,18 @@ class Cache:
             cf.path = new_path
             self._persist_identity(cf)
 
-    def attributes_seen(self, ino: int, st: os.stat_result) -> None:
+    def attributes_seen(self, ino: int, st: os.stat_result, token: tuple) -> None:
         """getattr/lookup saw BACKING's attributes: revalidate, invalidate the kernel cache."""
         cf = self.files.get(ino)
-        if cf is not None and not self.revalidate(cf, st):
+        if cf is not None and not self.revalidate(cf, st, token):
             self._on_stale(ino)
 
     def own_metadata_change(self, ino: int, st: os.stat_result) -> None:
         """cachefs changed attributes (chmod, rename, link...): the ctime moved, data did not."""
         cf = self.files.get(ino)
         if cf is not None and cf.identity is not None and cf.identity[1] == st.st_size:
+            cf.change_seq += 1
+            self.change_seq += 1
             cf.identity = identity(st)
             self._persist_identity(cf)
 
@@ -356,9 +383,10 @@ class Cache:
         """Open BACKING, revalidate cached data; returns the handle and whether the kernel may
         keep its page cache for the file."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
+        token = self.stat_token(ino)
         fd, st = await self.backing.read_call("open", _open_fstat, path, bflags)
         cf = self._file_for(ino)
-        unchanged = self.revalidate(cf, st) and cf.identity is not None
+        unchanged = self.revalidate(cf, st, token)
         cf.path = path
         cf.open_count += 1
         if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY:
@@ -825,6 +853,7 @@ class Cache:
             # Fills that read the old contents during the call may have been installed.
             self._trim(cf, min(size, cf.size))
         self._own_change(cf, st, size_exact=True)
+        self._trim(cf, size)                   # the cache file as long as the file again
         return st
 
     async def fsync(self, of: OpenFile, datasync: bool) -> None:

@@ -81,7 +81,7 @@ class CachedFile:
 
     __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
                  "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts",
-                 "wtrack", "trunc_seq")
+                 "wtrack", "trunc_seq", "change_seq")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -99,6 +99,7 @@ class CachedFile:
         self.dirty_exts = 0                # extents with dirty blocks
         self.wtrack: dict[int, list[int]] = {}   # ext -> [write-through writes in flight, seq]
         self.trunc_seq = 0                 # bumped by every truncation
+        self.change_seq = 0                # bumped by every change cachefs makes to BACKING
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""

@@ -98,9 +98,11 @@ class Operations(pyfuse3.Operations):
             of = next((o for o in self._handles.get(inode, ()) if fits(o)), None)
         return of.backing_fd if of is not None else None
 
-    def _entry(self, parent: int, name: bytes, st: os.stat_result) -> pyfuse3.EntryAttributes:
+    def _entry(self, parent: int, name: bytes, st: os.stat_result,
+               token: tuple | None = None) -> pyfuse3.EntryAttributes:
         ino = self._inodes.remember(parent, name, st)
-        self._cache.attributes_seen(ino, st)
+        if token is not None:
+            self._cache.attributes_seen(ino, st, token)
         return self._attr(st, ino)
 
     def kernel_invalidate(self, ino: int) -> None:
@@ -133,11 +135,12 @@ class Operations(pyfuse3.Operations):
     # -- namespace -----------------------------------------------------------------------
 
     async def lookup(self, parent_inode, name, ctx=None):
+        token = self._cache.stat_token(None)
         try:
             st = await self._backing.lstat(self._inodes.child_path(parent_inode, name))
         except OSError as exc:
             raise to_fuse_error(exc) from None
-        return self._entry(parent_inode, name, st)
+        return self._entry(parent_inode, name, st, token)
 
     async def forget(self, inode_list):
         for ino, nlookup in inode_list:
@@ -146,6 +149,7 @@ class Operations(pyfuse3.Operations):
 
     async def getattr(self, inode, ctx=None):
         fd = self._handle_fd(inode)
+        token = self._cache.stat_token(inode)
         try:
             if fd is not None:
                 st = await self._backing.fstat(fd)
@@ -153,7 +157,7 @@ class Operations(pyfuse3.Operations):
                 st = await self._backing.lstat(self._path(inode))
         except OSError as exc:
             raise to_fuse_error(exc) from None
-        self._cache.attributes_seen(inode, st)
+        self._cache.attributes_seen(inode, st, token)
         return self._attr(st, inode)
 
     async def setattr(self, inode, attr, fields, fh, ctx):

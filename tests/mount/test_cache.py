@@ -169,3 +169,19 @@ def test_drop_makes_cache_cold(make_mount):
     got = read_blocks(m.path("f"), range(0, len(data), 4096))
     assert b"".join(got[o] for o in sorted(got)) == data
     assert m.stats()["backing_read_ops"] > s["backing_read_ops"]
+
+
+def test_shrink_then_grow_reads_zeros_to_the_end(mounted, mode):
+    """Regression: in write-back the cache file stayed at the shrunk size, and a hit on the
+    block holding the old end returned a short read instead of zeros."""
+    m = mounted
+    data = os.urandom(64 << 10)
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, 60000)
+        os.ftruncate(fd, 64 << 10)
+        got = os.pread(fd, 8192, 57344)
+    finally:
+        os.close(fd)
+    assert got == data[57344:60000] + bytes((64 << 10) - 60000)

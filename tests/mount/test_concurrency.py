@@ -24,7 +24,7 @@ def test_reads_racing_writes_and_truncates_never_leave_stale_cache(make_mount, t
     (src / "f").write_bytes(model)
     with mounted_slowfs(src, slow, latency_ms=1, jitter_ms=1, seq_latency_ms=1) as _:
         m = make_mount("--mode", mode, "--promote-after", "1", "--sequential-cutoff", "0",
-                       backing=slow)
+                       "--attr-timeout", "0.2", backing=slow)
         stop = threading.Event()
         errors = []
 
@@ -64,6 +64,7 @@ def test_reads_racing_writes_and_truncates_never_leave_stale_cache(make_mount, t
         assert not errors, errors
         got = b"".join(os.pread(fd, 4096, off) for off in range(0, SIZE, 4096))
         os.close(fd)
+        assert len(got) == SIZE
         assert got == bytes(model), next(i for i in range(SIZE) if got[i] != model[i])
         assert m.stats()["hit_ops"] > 0
         m.stop()
