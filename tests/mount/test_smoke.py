@@ -17,3 +17,15 @@ def test_read_back_bytes(mounted, mode):
         assert (mounted.backing / "g").stat().st_size == 0       # not destaged yet
         flush(mounted)
     assert (mounted.backing / "g").read_bytes() == data[:1000]
+
+
+def test_kernel_may_keep_more_requests_in_flight(mounted):
+    """As root the mount raises FUSE's max_background (12 by default): hits are then not
+    queued behind slow BACKING writes (see docs/benchmarks.md)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    real = os.path.realpath(mounted.mnt)
+    with open("/proc/self/mountinfo") as f:
+        dev = next(line.split()[2].split(":")[1] for line in f if line.split()[4] == real)
+    with open(f"/sys/fs/fuse/connections/{dev}/max_background") as f:
+        assert int(f.read()) == 64
