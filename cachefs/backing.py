@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import trio
 
+from . import aio
 from .errors import BackingTimeout
 
 _ABANDON_KW = ("abandon_on_cancel" if "abandon_on_cancel"
@@ -40,8 +41,9 @@ class Backing:
     async def pread(self, fd: int, size: int, off: int) -> bytes:
         return await self.read_call("read", os.pread, fd, size, off)
 
-    async def pwrite_stat(self, fd: int, data: bytes, off: int) -> tuple[int, os.stat_result]:
-        return await self.write_call(_pwrite_stat, fd, data, off)
+    async def pwrite_stat(self, fd: int, direct_fd: int, data: bytes, off: int
+                          ) -> tuple[int, os.stat_result]:
+        return await self.write_call(_pwrite_stat, fd, direct_fd, data, off)
 
     async def lstat(self, path: bytes) -> os.stat_result:
         return await self.read_call("stat", os.lstat, path)
@@ -50,13 +52,12 @@ class Backing:
         return await self.read_call("stat", os.fstat, fd)
 
 
-def _pwrite_stat(fd: int, data: bytes, off: int) -> tuple[int, os.stat_result]:
-    """Write all of `data` at `off` (retrying short writes), then fstat: one thread hop."""
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], off + done)
-    return done, os.fstat(fd)
+def _pwrite_stat(fd: int, direct_fd: int, data: bytes, off: int
+                 ) -> tuple[int, os.stat_result]:
+    """Write all of `data` at `off`, then fstat: one thread hop. An aligned write goes as
+    asynchronous direct I/O, so writes to one file of a FUSE BACKING can overlap."""
+    aio.pwrite_all(fd, direct_fd, [(data, off)])
+    return len(data), os.fstat(fd)
 
 
 # -- namespace operations, each one thread call ---------------------------------------------

@@ -19,6 +19,7 @@ from typing import Callable
 
 import trio
 
+from . import aio
 from . import backing as bk
 from .backing import Backing
 from .config import BLK_SIZE, EXT_SIZE, Config
@@ -56,7 +57,8 @@ def punch_hole(fd: int, off: int, size: int) -> None:
 class OpenFile:
     """One open file handle: BACKING fd, the file's cache state and its sequential stream."""
 
-    __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext")
+    __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext",
+                 "direct_fd")
 
     def __init__(self, fh: int, cfile: CachedFile, backing_fd: int, flags: int, stats: Stats):
         self.fh = fh
@@ -67,6 +69,7 @@ class OpenFile:
         self.seq = SequentialDetector()
         self.stats = stats
         self.last_miss_ext = -1     # consecutive misses in one extent count as one access
+        self.direct_fd = -1         # O_DIRECT twin of backing_fd for write-through (aio.py)
 
     def read_hit(self, off: int, size: int) -> bytes | None:
         """Serve a read from the SSD if every block is cached: sync, no await, no SQL."""
@@ -384,7 +387,9 @@ class Cache:
         keep its page cache for the file."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
         token = self.stat_token(ino)
-        fd, st = await self.backing.read_call("open", _open_fstat, path, bflags)
+        want_direct = not self.write_back and flags & os.O_ACCMODE != os.O_RDONLY
+        fd, st, dfd = await self.backing.read_call("open", _open_fstat, path, bflags,
+                                                   want_direct)
         cf = self._file_for(ino)
         unchanged = self.revalidate(cf, st, token)
         cf.path = path
@@ -395,6 +400,8 @@ class Cache:
             except BaseException:
                 cf.open_count -= 1
                 os.close(fd)
+                if dfd >= 0:
+                    os.close(dfd)
                 raise
             unchanged = False
         if cf.extents:
@@ -404,7 +411,9 @@ class Cache:
                 self.stats.cache_errors += 1
                 log.warning("cannot open the cache file of inode %d: %s", ino, exc)
                 self.drop_file(cf)
-        return OpenFile(fh, cf, fd, flags, self.stats), unchanged
+        of = OpenFile(fh, cf, fd, flags, self.stats)
+        of.direct_fd = dfd
+        return of, unchanged
 
     async def create(self, fh: int, path: bytes, flags: int, mode: int, uid: int, gid: int,
                      parent: bytes, remember: Callable[[os.stat_result], int]
@@ -424,16 +433,19 @@ class Cache:
                 cf.open_count -= 1
                 os.close(fd)
                 raise
-        return OpenFile(fh, cf, fd, flags, self.stats), st
+        of = OpenFile(fh, cf, fd, flags, self.stats)
+        if not self.write_back:
+            of.direct_fd = await self.backing.write_call(aio.open_direct, fd)
+        return of, st
 
-    def release(self, of: OpenFile) -> int:
-        """Drop a handle; returns the BACKING fd for the caller to close in a thread."""
+    def release(self, of: OpenFile) -> list[int]:
+        """Drop a handle; returns the BACKING fds for the caller to close in a thread."""
         cf = of.cfile
         cf.open_count -= 1
         if cf.doomed and cf.open_count == 0 and self.files.get(cf.ino) is cf:
             self._discard(cf)
         self._close_idle_fd(cf)
-        return of.backing_fd
+        return [of.backing_fd] if of.direct_fd < 0 else [of.backing_fd, of.direct_fd]
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -743,7 +755,7 @@ class Cache:
         trunc_seq = cf.trunc_seq
         cf.writes_inflight += 1
         try:
-            written, st = await self.backing.pwrite_stat(of.backing_fd, data, off)
+            written, st = await self.backing.pwrite_stat(of.backing_fd, of.direct_fd, data, off)
         except OSError:
             self.stats.backing_errors += 1
             raise
@@ -1014,10 +1026,11 @@ class Cache:
                 os.close(fd)
 
 
-def _open_fstat(path: bytes, flags: int) -> tuple[int, os.stat_result]:
+def _open_fstat(path: bytes, flags: int, want_direct: bool
+                ) -> tuple[int, os.stat_result, int]:
     fd = os.open(path, flags)
     try:
-        return fd, os.fstat(fd)
+        return fd, os.fstat(fd), aio.open_direct(fd) if want_direct else -1
     except BaseException:
         os.close(fd)
         raise

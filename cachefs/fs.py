@@ -316,11 +316,11 @@ class Operations(pyfuse3.Operations):
         handles.remove(of)
         if not handles:
             del self._handles[of.ino]
-        fd = self._cache.release(of)
-        try:
-            self._close_send.send_nowait(fd)
-        except trio.WouldBlock:
-            await self._close_send.send(fd)
+        for fd in self._cache.release(of):
+            try:
+                self._close_send.send_nowait(fd)
+            except trio.WouldBlock:
+                await self._close_send.send(fd)
 
     async def fsync(self, fh, datasync):
         try:
