@@ -61,7 +61,8 @@ def aligned(off: int, size: int) -> bool:
 
 def pwrite_all(fd: int, direct_fd: int, items: list[tuple[bytes | memoryview, int]]) -> None:
     """Write every (data, offset): aligned ones together through AIO on `direct_fd`, the rest
-    (or all, without AIO) with os.pwrite on `fd`. Raises OSError if any write fails."""
+    (or all, without AIO) with os.pwrite on `fd`. The items must not overlap (their order is
+    not kept). Raises OSError if any write fails."""
     batch = [(d, o) for d, o in items if direct_fd >= 0 and aligned(o, len(d))]
     rest = [(d, o) for d, o in items if not (direct_fd >= 0 and aligned(o, len(d)))]
     for i in range(0, len(batch), MAX_INFLIGHT):
