@@ -33,6 +33,7 @@ from .writeback import Destager
 log = logging.getLogger("cachefs.cache")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+MERGE_GAP = 256 << 10                # destage: clean valid bytes worth writing to join runs
 _FALLOC_PUNCH = 0x01 | 0x02          # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 # O_APPEND: the kernel passes the offset; O_DIRECT: Python buffers are not aligned;
 # O_TRUNC: truncation goes through the engine, which must drop cached (and dirty) data.
@@ -901,10 +902,16 @@ class Cache:
                 s, t = base + (b0 << BLK_SHIFT), min(base + (b1 << BLK_SHIFT), cf.size)
                 if t <= s:
                     continue
-                if runs and runs[-1][0] + runs[-1][1] == s:
-                    runs[-1] = (runs[-1][0], runs[-1][1] + t - s)
-                else:
-                    runs.append((s, t - s))
+                if runs:
+                    end = runs[-1][0] + runs[-1][1]
+                    # Bridge a short gap of clean valid blocks (BACKING already has those
+                    # bytes): one larger write costs little more than a small one on a disk.
+                    if end == s or (s - end <= MERGE_GAP and cf.all_valid(end, s)):
+                        total += s - end
+                        runs[-1] = (runs[-1][0], t - runs[-1][0])
+                        total += t - s
+                        continue
+                runs.append((s, t - s))
                 total += t - s
             if total >= max_bytes:
                 break

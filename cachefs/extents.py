@@ -121,6 +121,16 @@ class CachedFile:
             e += 1
         return True
 
+    def all_valid(self, off: int, end: int) -> bool:
+        """True if every block of [off, end) is valid (no access is counted)."""
+        for e in range(off >> EXT_SHIFT, ((end - 1) >> EXT_SHIFT) + 1):
+            x = self.extents.get(e)
+            base = e << EXT_SHIFT
+            m = block_mask(max(off, base) - base, min(end - base, EXT_SIZE))
+            if x is None or x.valid & m != m:
+                return False
+        return True
+
     def clobber(self, first_ext: int, last_ext: int) -> None:
         """Mark promotions in flight for extents first..last (inclusive) as overtaken."""
         if self.fills:

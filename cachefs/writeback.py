@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cachefs.writeback")
 
-BATCH_BYTES = 4 << 20          # one destage pass of a file
+BATCH_BYTES = 8 << 20          # one destage pass of a file (runs, with bridged gaps)
 MIN_RATE = 4 << 20             # B/s assumed before the first measurement
 MAX_DELAY_S = 2.0              # one write is never held longer than this
 BACKOFF_MAX_S = 30.0

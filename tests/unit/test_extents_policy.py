@@ -104,3 +104,13 @@ def test_dirty_extents_are_never_victims():
     assert pol.victim() is None
     xs[3].dirty = 0
     assert pol.victim() is xs[3]
+
+
+def test_all_valid_counts_no_access():
+    cf = CachedFile(5, (5, 1 << 20, 1, 1))
+    cf.extents[0] = Extent(5, 0, FULL_MASK)
+    cf.extents[1] = Extent(5, 1, 0b1)
+    assert cf.all_valid(100, 65536 + 4096)
+    assert not cf.all_valid(100, 65536 + 4097)
+    assert not cf.all_valid(2 << 16, (2 << 16) + 1)
+    assert cf.extents[0].freq == 0
