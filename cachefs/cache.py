@@ -3,8 +3,12 @@ coherence with BACKING, eviction and batched persistence.
 
 Owns all extent state changes. Never imports pyfuse3: `fs.py` translates requests into calls
 here. Extent state changes happen in synchronous code (atomic under trio); an `await` in the
-middle of an operation is bracketed by a generation check (`Extent.gen`, `CachedFile.fills`)
-so that data read or written before the await is never installed over newer data.
+middle of an operation is bracketed so that bytes read or written before it are never taken
+for newer data: promotions in flight are marked overtaken (`CachedFile.fills`) by writes and
+truncates, write-through writes update the cache only if no other write or truncate touched
+the extent meanwhile (`CachedFile.wtrack`, `trunc_seq`), destaging cleans only blocks not
+rewritten since its snapshot (`Extent.redirty`), and stats taken before one of our own
+changes are not mistaken for a change behind our back (`change_seq`).
 """
 
 from __future__ import annotations
@@ -220,7 +224,6 @@ class Cache:
         """Forget an extent, dirty blocks included (truncated, unlinked or unusable)."""
         self._clear_dirty(cf, x, x.dirty)
         self.pool.remove(x)
-        x.gen += 1
         del cf.extents[x.ext]
         self.store.queue_drop_extent(cf.ino, x.ext)
 
@@ -229,7 +232,6 @@ class Cache:
         for x in list(cf.extents.values()):
             self._clear_dirty(cf, x, x.dirty)
             self.pool.remove(x)
-            x.gen += 1
         cf.extents.clear()
         cf.clobber(0, 1 << 62)
         self.admission.forget_file(cf.ino)
@@ -297,7 +299,6 @@ class Cache:
             if not x.dirty:
                 self._remove_extent(cf, x)
             elif x.valid != x.dirty:
-                x.gen += 1
                 x.valid = x.dirty
                 self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
 
@@ -602,7 +603,6 @@ class Cache:
             if x is None:
                 return False
             cf = self.files[x.ino]
-            x.gen += 1
             del cf.extents[x.ext]
             self.store.queue_drop_extent(x.ino, x.ext)
             self._punch[x.key] = None
@@ -839,7 +839,6 @@ class Cache:
                 self._remove_extent(cf, x)
             elif base + EXT_SIZE > keep_below:
                 keep = block_mask(0, keep_below - base)
-                x.gen += 1
                 self._clear_dirty(cf, x, x.dirty & ~keep)
                 x.valid &= keep
                 self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)

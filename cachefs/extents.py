@@ -54,14 +54,13 @@ def popcount(mask: int) -> int:
 class Extent:
     """One cached 64 KiB extent: its valid and dirty block bitmaps and eviction bookkeeping."""
 
-    __slots__ = ("ino", "ext", "valid", "dirty", "gen", "freq", "queue", "redirty")
+    __slots__ = ("ino", "ext", "valid", "dirty", "freq", "queue", "redirty")
 
     def __init__(self, ino: int, ext: int, valid: int = 0, dirty: int = 0):
         self.ino = ino
         self.ext = ext
         self.valid = valid
         self.dirty = dirty
-        self.gen = 0          # bumped whenever the extent's data changes under a pending await
         self.freq = 0         # S3-FIFO access counter, 0..3
         self.queue = None     # which eviction queue holds it (policy's business)
         self.redirty = 0      # blocks written since the destager took its snapshot
