@@ -602,14 +602,16 @@ class Cache:
             x = self.pool.victim()
             if x is None:
                 return False
-            cf = self.files[x.ino]
-            del cf.extents[x.ext]
-            self.store.queue_drop_extent(x.ino, x.ext)
-            self._punch[x.key] = None
+            self._evict(self.files[x.ino], x)
             self.stats.evictions += 1
-            if not cf.extents:
-                self.store.queue_drop_file(cf.ino)
         return True
+
+    def _evict(self, cf: CachedFile, x: Extent) -> None:
+        """Forget a clean extent; its SSD space is released after the next durable commit."""
+        self._remove_extent(cf, x)
+        self._punch[x.key] = None
+        if not cf.extents:
+            self.store.queue_drop_file(cf.ino)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -956,11 +958,8 @@ class Cache:
             cf.clobber(0, 1 << 62)
             for x in list(cf.extents.values()):
                 if not x.dirty:
-                    self._remove_extent(cf, x)
-                    self._punch[x.key] = None
+                    self._evict(cf, x)
                     n += 1
-            if not cf.extents:
-                self.store.queue_drop_file(cf.ino)
         return n
 
     def status(self) -> dict:
