@@ -881,14 +881,17 @@ class Cache:
 
     # -- destaging (state changes; the schedule lives in writeback.Destager) -----------------
 
-    def destage_plan(self, cf: CachedFile, max_bytes: int
+    def destage_plan(self, cf: CachedFile, max_bytes: int, start_ext: int = 0
                      ) -> tuple[list[tuple[Extent, int]], list[tuple[int, int]]]:
-        """Snapshot a file's dirty extents in offset order: (extent, dirty mask) pairs, and
-        the byte runs to write, coalesced across extents and clipped to the file's size."""
+        """Snapshot a file's dirty extents from `start_ext` on, in offset order: (extent,
+        dirty mask) pairs, and the byte runs to write, coalesced across extents and clipped
+        to the file's size. The destager starts at the file's oldest dirty extent: under
+        random writes that is where the last sweep passed longest ago, so dirty blocks are
+        densest there and bridge into long writes (a circular elevator)."""
         plan: list[tuple[Extent, int]] = []
         runs: list[tuple[int, int]] = []
         total = 0
-        for e in sorted(e for e, x in cf.extents.items() if x.dirty):
+        for e in sorted(e for e, x in cf.extents.items() if x.dirty and e >= start_ext):
             x = cf.extents[e]
             base = e << EXT_SHIFT
             # Only blocks below the logical size are written, so only they may turn clean;

@@ -4,12 +4,13 @@ Owns the schedule: which dirty data goes to BACKING when, how fast writers may g
 destage rate. Extent state changes are the engine's (`Cache.destage_plan`,
 `Cache.destage_done`); this module only decides and moves bytes.
 
-- Destaging: oldest dirty extent first; its file's dirty blocks are written in offset order,
-  coalesced into runs, up to `BATCH_BYTES` per pass, then BACKING is fdatasync'd; only then do
-  the blocks turn clean (unless rewritten meanwhile). Data is destaged when dirty data is
-  above --dirty-low, when it is older than the write-back delay (bounded by
-  --max-dirty-age), or while a flush is requested. A BACKING error keeps the data dirty
-  and retries that file with exponential backoff.
+- Destaging: oldest dirty extent first; from it on, its file's dirty blocks are written in
+  offset order (a circular elevator under random writes), coalesced into runs, up to
+  `BATCH_BYTES` per pass, then BACKING is fdatasync'd; only then do the blocks turn clean
+  (unless rewritten meanwhile). Data is destaged when dirty data is above --dirty-low, when
+  it is older than the write-back delay (bounded by --max-dirty-age), or while a flush is
+  requested. A BACKING error keeps the data dirty and retries that file with exponential
+  backoff.
 - Flow control: above --dirty-high a writer waits (excess / destage rate) seconds before its
   write is accepted: a proportional controller whose equilibrium is writers running at the
   destage rate with dirty data just above the high mark. Below it writers run at SSD speed.
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cachefs.writeback")
 
-BATCH_BYTES = 8 << 20          # one destage pass of a file (runs, with bridged gaps)
+BATCH_BYTES = 16 << 20         # one destage pass of a file (runs, with bridged gaps)
 MIN_RATE = 4 << 20             # B/s assumed before the first measurement
 MAX_DELAY_S = 2.0              # one write is never held longer than this
 BACKOFF_MAX_S = 30.0
@@ -87,13 +88,13 @@ class Destager:
         task_status.started()
         cache = self._cache
         while True:
-            cf = self._next_due()
+            cf, start_ext = self._next_due()
             if cf is None:
                 cache.dirty_event = trio.Event()
                 with trio.move_on_after(self._idle_wait_s()):
                     await cache.dirty_event.wait()
                 continue
-            await self._destage(cf)
+            await self._destage(cf, start_ext)
             await trio.sleep(0)
 
     def _idle_wait_s(self) -> float:
@@ -106,21 +107,22 @@ class Destager:
         return (self.force > 0 or cache.dirty_bytes() > self.low
                 or cache.oldest_dirty_age_s() >= self.delay_s)
 
-    def _next_due(self) -> "CachedFile | None":
+    def _next_due(self) -> "tuple[CachedFile | None, int]":
+        """The file of the oldest dirty extent not backing off, and that extent."""
         cache = self._cache
         if not cache.dirty or not self._due():
-            return None
+            return None, 0
         now = time.monotonic()
-        for ino, _ in cache.dirty:             # oldest first
+        for ino, ext in cache.dirty:           # oldest first
             retry = self._backoff.get(ino)
             if retry is not None and retry[0] > now:
                 continue
             cf = cache.files.get(ino)
             if cf is not None:
-                return cf
-        return None
+                return cf, ext
+        return None, 0
 
-    async def _destage(self, cf: "CachedFile") -> None:
+    async def _destage(self, cf: "CachedFile", start_ext: int = 0) -> None:
         cache = self._cache
         async with cache.file_lock(cf):
             if not cf.dirty_exts:
@@ -136,7 +138,7 @@ class Destager:
                     cache.discard_orphan(cf)
                     return
                 cache.set_wb_fd(cf, fd)
-            plan, runs = cache.destage_plan(cf, BATCH_BYTES)
+            plan, runs = cache.destage_plan(cf, BATCH_BYTES, start_ext)
             nbytes = sum(n for _, n in runs)
             t0 = time.monotonic()
             try:
