@@ -459,6 +459,8 @@ class Cache:
         cutoff = self.cfg.sequential_cutoff
         if cutoff and of.seq.note(off, size) > cutoff:
             data = await self._backing_read(of.backing_fd, size, off)
+            if cf.dirty_exts:           # write-back: dirty blocks are newer than BACKING
+                data = self._overlay_dirty(cf, off, size, data)
             st.bypass_ops += 1
             st.bypass_bytes += len(data)
             st.read_bytes += len(data)
