@@ -25,6 +25,7 @@ import trio
 
 from . import aio
 from . import backing as bk
+from . import readahead
 from .backing import Backing
 from .config import BLK_SIZE, EXT_SIZE, Config
 from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask,
@@ -63,7 +64,7 @@ class OpenFile:
     """One open file handle: BACKING fd, the file's cache state and its sequential stream."""
 
     __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext",
-                 "direct_fd")
+                 "direct_fd", "ahead")
 
     def __init__(self, fh: int, cfile: CachedFile, backing_fd: int, flags: int, stats: Stats):
         self.fh = fh
@@ -75,6 +76,7 @@ class OpenFile:
         self.stats = stats
         self.last_miss_ext = -1     # consecutive misses in one extent count as one access
         self.direct_fd = -1         # O_DIRECT twin of backing_fd for write-through (aio.py)
+        self.ahead: dict[int, readahead.Ahead] = {}     # offset -> read ahead of the stream
 
     def read_hit(self, off: int, size: int) -> bytes | None:
         """Serve a read from the SSD if every block is cached: sync, no await, no SQL."""
@@ -128,6 +130,7 @@ class Cache:
         self._journaled: set[tuple[int, int]] = set()
         self.change_seq = 0                      # bumped by every change cachefs makes
         self.destager = Destager(self, backing, cfg, stats)
+        self.nursery: trio.Nursery | None = None   # for read-ahead tasks (set by mount.py)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -458,7 +461,7 @@ class Cache:
         st.read_ops += 1
         cutoff = self.cfg.sequential_cutoff
         if cutoff and of.seq.note(off, size) > cutoff:
-            data = await self._backing_read(of.backing_fd, size, off)
+            data = await self._stream_read(of, off, size)
             if cf.dirty_exts:           # write-back: dirty blocks are newer than BACKING
                 data = self._overlay_dirty(cf, off, size, data)
             st.bypass_ops += 1
@@ -507,6 +510,46 @@ class Cache:
         st.miss_bytes += len(data)
         st.read_bytes += len(data)
         return data
+
+    async def _stream_read(self, of: OpenFile, off: int, size: int) -> bytes:
+        """A read of a sequential stream: taken from what was read ahead if still valid;
+        starts reading the next requests ahead (cachefs/readahead.py)."""
+        cf = of.cfile
+        ahead = of.ahead.pop(off, None)
+        for o in [o for o in of.ahead if o < off]:    # the stream moved on without them
+            del of.ahead[o]
+        self._read_ahead(of, max(off + size, of.seq.next_off), size)   # past the furthest
+        if ahead is not None and ahead.size == size:
+            await ahead.done.wait()
+            if readahead.usable(ahead, cf):
+                return ahead.data
+        return await self._backing_read(of.backing_fd, size, off)
+
+    def _read_ahead(self, of: OpenFile, nxt: int, size: int) -> None:
+        cf = of.cfile
+        if self.nursery is None or cf.writes_inflight:
+            return
+        backing_size = cf.identity[1] if cf.identity else cf.size
+        tok = readahead.token(cf)
+        for i in range(readahead.DEPTH):
+            o = nxt + i * size
+            if o >= backing_size:
+                break
+            if o in of.ahead:
+                continue
+            ahead = of.ahead[o] = readahead.Ahead(o, size, tok)
+            self.nursery.start_soon(self._fetch_ahead, ahead, os.dup(of.backing_fd))
+
+    async def _fetch_ahead(self, ahead: "readahead.Ahead", fd: int) -> None:
+        try:
+            ahead.data = await self.backing.read_call("read", readahead.pread_close, fd,
+                                                      ahead.size, ahead.off)
+            self.stats.backing_read_ops += 1
+            self.stats.backing_read_bytes += len(ahead.data)
+        except Exception:           # BACKING error or timeout: the request reads itself
+            ahead.data = None
+        finally:
+            ahead.done.set()
 
     def _overlay_dirty(self, cf: CachedFile, off: int, size: int, data: bytes) -> bytes:
         """Lay the dirty blocks (newer than BACKING) over data read from BACKING, and extend

@@ -299,6 +299,7 @@ class Daemon:
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
+                self.cache.nursery = nursery
                 await nursery.start(control.run)
                 await nursery.start(self.cache.run_promoter)
                 await nursery.start(self.cache.run_persister)

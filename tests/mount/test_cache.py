@@ -211,3 +211,29 @@ def test_sequential_stream_sees_dirty_write_back_blocks(make_mount):
         os.close(fd)
     assert m.stats()["bypass_bytes"] > 0                   # the stream did bypass the cache
     assert len(out) == len(data) and out == bytes(data)
+
+
+def test_stream_read_ahead_never_serves_overwritten_bytes(make_mount, mode):
+    """A stream reads ahead of the application; a write through the mount into the range
+    already read ahead must be seen by the stream's next reads."""
+    m = make_mount("--mode", mode, "--sequential-cutoff", "1M", "--promote-after", "100")
+    chunk = 128 << 10
+    data = bytearray(os.urandom(8 << 20))
+    (m.backing / "f").write_bytes(data)
+    rfd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
+    wfd = os.open(m.path("f"), os.O_WRONLY)
+    try:
+        out = bytearray()
+        for off in range(0, len(data), chunk):
+            out += os.pread(rfd, chunk, off)
+            if off in (2 << 20, 5 << 20):      # the next two chunks are being read ahead
+                for hit in (off + chunk, off + 2 * chunk + 4096):
+                    patch = os.urandom(8192)
+                    os.pwrite(wfd, patch, hit)
+                    data[hit:hit + len(patch)] = patch
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+    s = m.stats()
+    assert s["bypass_bytes"] >= 4 << 20                    # the stream did bypass the cache
+    assert out == data
