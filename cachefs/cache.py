@@ -537,8 +537,12 @@ class Cache:
                 break
             if o in of.ahead:
                 continue
+            try:
+                fd = os.dup(of.backing_fd)
+            except OSError:                 # out of descriptors: no read-ahead, no error
+                return
             ahead = of.ahead[o] = readahead.Ahead(o, size, tok)
-            self.nursery.start_soon(self._fetch_ahead, ahead, os.dup(of.backing_fd))
+            self.nursery.start_soon(self._fetch_ahead, ahead, fd)
 
     async def _fetch_ahead(self, ahead: "readahead.Ahead", fd: int) -> None:
         try:
