@@ -220,6 +220,10 @@ def main() -> int:
     if os.geteuid() == 0:
         options.add("allow_other")
     pyfuse3.init(Passthrough(args.source), args.mountpoint, options)
+    # Same kernel queue as cachefs and slowfs (64 async requests, not 12): the reference
+    # must not be handicapped against what it is the reference for.
+    from slowfs import _raise_max_background
+    _raise_max_background(args.mountpoint, 64)
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:

@@ -860,8 +860,8 @@ def markdown(results: dict, plots: dict[str, str], img_prefix: str) -> str:
         "`fdatasync`s the cache files once a second). The SSD directory and the emulated slow "
         "disk share one virtual disk and 24 GiB of page cache, so a cachefs hit is a page-cache "
         "read while `raw cache dir` is the disk itself with O_DIRECT. The kernel keeps at most "
-        "12 asynchronous FUSE requests in flight per mount (`max_background`), so iodepth 32 "
-        "queues in the kernel on every FUSE row.",
+        "`max_background` asynchronous FUSE requests in flight per mount: cachefs, slowfs and "
+        "passthrough.py all raise it from the kernel's 12 to 64 (through fusectl).",
         "",
         "Columns: IOPS = read + write; mean latency is over all I/Os (for 70/30 that is the "
         "70/30-weighted mean the FlashSoft paper reports); p99 is fio's total-latency p99 per "
