@@ -137,6 +137,8 @@ class Cache:
         self.change_seq = 0                      # bumped by every change cachefs makes
         self.destager = Destager(self, backing, cfg, stats)
         self.nursery: trio.Nursery | None = None   # for read-ahead tasks (set by mount.py)
+        self._ahead_inflight = 0                   # read-ahead reads in worker threads
+        self._ahead_max = max(1, cfg.backing_threads * 3 // 4)   # leave threads for the rest
 
     # -- state -----------------------------------------------------------------------------
 
@@ -537,17 +539,20 @@ class Cache:
             return
         backing_size = cf.identity[1] if cf.identity else cf.size
         tok = readahead.token(cf)
-        for i in range(readahead.DEPTH):
+        for i in range(readahead.depth(size)):
             o = nxt + i * size
             if o >= backing_size:
                 break
             if o in of.ahead:
                 continue
+            if self._ahead_inflight >= self._ahead_max:
+                return
             try:
                 fd = os.dup(of.backing_fd)
             except OSError:                 # out of descriptors: no read-ahead, no error
                 return
             ahead = of.ahead[o] = readahead.Ahead(o, size, tok)
+            self._ahead_inflight += 1
             self.nursery.start_soon(self._fetch_ahead, ahead, fd)
 
     async def _fetch_ahead(self, ahead: "readahead.Ahead", fd: int) -> None:
@@ -559,6 +564,7 @@ class Cache:
         except Exception:           # BACKING error or timeout: the request reads itself
             ahead.data = None
         finally:
+            self._ahead_inflight -= 1
             ahead.done.set()
 
     def _overlay_dirty(self, cf: CachedFile, off: int, size: int, data: bytes) -> bytes:

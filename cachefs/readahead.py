@@ -3,8 +3,8 @@
 A stream past --sequential-cutoff is served from BACKING. One request at a time leaves the
 BACKING link idle while each answer travels back through FUSE, so the stream would run
 slower than BACKING alone. While serving request N the engine starts reads of the next
-`DEPTH` requests (same size, one thread call each); request N+1 then takes the bytes read
-ahead instead of reading BACKING.
+requests past the furthest one seen (same size, one thread call each; up to `WINDOW` bytes),
+and those requests then take the bytes read ahead instead of reading BACKING.
 
 Bytes read ahead are used only if nothing could have changed them: cachefs made no change
 to the file's BACKING data between the read and its use (`CachedFile.change_seq`,
@@ -25,8 +25,17 @@ import trio
 if TYPE_CHECKING:
     from .extents import CachedFile
 
-DEPTH = 4                  # requests read ahead of a stream
+WINDOW = 16 << 20          # bytes read ahead of a stream, at most
+MAX_DEPTH = 16             # requests read ahead of a stream, at most
 MAX_AGE_S = 1.0            # older bytes read ahead are not used
+
+
+def depth(size: int) -> int:
+    """How many requests of `size` bytes to keep read ahead. Measured on the emulator
+    (seq-read-1m, 1 MiB requests, QD 4, BACKING alone 105 IOPS): 2 ahead 92, 4 ahead 93-95,
+    8 ahead 97-99, 16 ahead 103. 16 MiB is also what Linux's NFS client long read ahead
+    (15 x rsize)."""
+    return max(1, min(MAX_DEPTH, WINDOW // max(size, 1)))
 
 
 class Ahead:
