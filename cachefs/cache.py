@@ -17,9 +17,10 @@ import ctypes
 import errno
 import logging
 import os
+import sqlite3
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 import trio
 
@@ -27,7 +28,7 @@ from . import aio
 from . import backing as bk
 from . import readahead
 from .backing import Backing
-from .config import BLK_SIZE, EXT_SIZE, Config
+from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask,
                       covered_mask, popcount)
 from .policy import Admission, Clock, S3Fifo, SequentialDetector
@@ -45,6 +46,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 # hitachi-sql from 2,092 to 2,988 IOPS and flashsoft-70-30 from 12.1k to 14.0k; 16K lost
 # 21 % on flashsoft-70-30.
 MERGE_GAP = 64 << 10
+T = TypeVar("T")
+UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
 _FALLOC_PUNCH = 0x01 | 0x02          # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 # O_APPEND: the kernel passes the offset; O_DIRECT: Python buffers are not aligned;
 # O_TRUNC: truncation goes through the engine, which must drop cached (and dirty) data.
@@ -55,6 +60,24 @@ _FLAGS_NOT_FOR_BACKING = (os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | o
 def identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What makes cached data of a BACKING file valid: inode, size, mtime and ctime."""
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _older(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
+    """True if identity `a` was taken before `b` (ctime, then mtime, then size: a file's
+    timestamps never go back and, between truncates, neither does its size)."""
+    return (a[3], a[2], a[1]) < (b[3], b[2], b[1])
+
+
+def pwrite_all(fd: int, data, off: int) -> None:
+    """Write all of `data` at `off` (a short write, as when a disk fills, is continued or
+    raises: never silently shortened)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, off)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+        off += n
 
 
 def punch_hole(fd: int, off: int, size: int) -> None:
@@ -70,7 +93,7 @@ class OpenFile:
     """One open file handle: BACKING fd, the file's cache state and its sequential stream."""
 
     __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext",
-                 "direct_fd", "ahead")
+                 "direct_fd", "ahead", "readable")
 
     def __init__(self, fh: int, cfile: CachedFile, backing_fd: int, flags: int, stats: Stats):
         self.fh = fh
@@ -83,6 +106,7 @@ class OpenFile:
         self.last_miss_ext = -1     # consecutive misses in one extent count as one access
         self.direct_fd = -1         # O_DIRECT twin of backing_fd for write-through (aio.py)
         self.ahead: dict[int, readahead.Ahead] = {}     # offset -> read ahead of the stream
+        self.readable = True        # backing_fd can read (write-back fills of partial blocks)
 
     def read_hit(self, off: int, size: int) -> bytes | None:
         """Serve a read from the SSD if every block is cached: sync, no await, no SQL."""
@@ -139,6 +163,11 @@ class Cache:
         self.nursery: trio.Nursery | None = None   # for read-ahead tasks (set by mount.py)
         self._ahead_inflight = 0                   # read-ahead reads in worker threads
         self._ahead_max = max(1, cfg.backing_threads * 3 // 4)   # leave threads for the rest
+        self.target_exts = capacity_exts         # the pool size asked for (capacity may shrink)
+        self._ssd_full_until = 0.0
+        self._shrink_at_s = -1e9
+        self._ssd_warned_s = -1e9
+        self._persist_warned_s = -1e9
 
     # -- state -----------------------------------------------------------------------------
 
@@ -153,24 +182,80 @@ class Cache:
             cf = self.files[ino] = CachedFile(ino, (ino, size, mtime_ns, ctime_ns))
             cf.path = path
             cf.size = lsize
+            cf.recovered = not clean_stop
         doubt = set() if clean_stop else self.store.read_journal()
-        dropped = 0
+        over = 0
         for ino, ext, valid, dirty in extents:
             cf = self.files.get(ino)
             if (ino, ext) in doubt:
                 dirty |= valid
-            if cf is None or not valid or (not dirty and len(self.pool) >= self.capacity_exts):
+            if cf is None or not valid:
+                self.store.queue_drop_extent(ino, ext)        # names no cached data
+                continue
+            if not dirty and len(self.pool) >= self.capacity_exts:
                 self.store.queue_drop_extent(ino, ext)
-                dropped += 1
+                self._punch[(ino, ext)] = None
+                over += 1
                 continue
             x = cf.extents[ext] = Extent(ino, ext, valid, 0)
             self.pool.insert_main(x)
             if dirty:
                 self._set_dirty(cf, x, dirty)
-        if dropped:
-            log.info("dropped %d extents beyond the cache size", dropped)
+        for key in self.store.meta_keys(UNLINKING):
+            self.store.queue_meta(key, None)
+            cf = self.files.get(int(key[len(UNLINKING):]))
+            if cf is not None and not self._survived_unlink(cf):
+                log.warning("BACKING inode %d (last seen as %s) was being unlinked at an "
+                            "unclean stop and is gone; discarding its %d cached extents",
+                            cf.ino, os.fsdecode(cf.path or b"?"), len(cf.extents))
+                self.drop_file(cf)
+                del self.files[cf.ino]
+        if over:
+            self.stats.drop_capacity += over
+            log.warning("dropped %d cached extents beyond the cache size of %s (reason: "
+                        "capacity)", over, format_size(self.capacity_exts * EXT_SIZE))
         if doubt:
             log.warning("unclean stop: %d extents in doubt are treated as dirty", len(doubt))
+
+    def _survived_unlink(self, cf: CachedFile) -> bool:
+        """After a crash during an unlink: does BACKING still have this very file (same
+        inode at its path, with the identity recorded right before the unlink)?"""
+        try:
+            st = os.lstat(cf.path) if cf.path else None
+        except OSError:
+            return False
+        return st is not None and identity(st) == cf.identity
+
+    def needs_unlink_guard(self, ino: int | None) -> bool:
+        cf = self.files.get(ino) if ino is not None else None
+        return self.write_back and cf is not None and bool(cf.extents)
+
+    async def unlink_guarded(self, ino: int | None, unlink: Callable[[], Awaitable[T]]) -> T:
+        """Run `unlink`, which removes the last BACKING name of inode `ino`.
+
+        Write-back, with cached data: first a durable intent (and the file's identity), so
+        that after a crash mid-way the data is never taken for a new file that reuses the
+        inode number (recovery in load()); the intent goes in the batch that drops the
+        file. The destager is kept out meanwhile, so the identity stays as recorded."""
+        cf = self.files.get(ino) if ino is not None else None
+        if not self.write_back or cf is None or not cf.extents:
+            return await unlink()
+        key = UNLINKING + str(cf.ino)
+        async with self.file_lock(cf):
+            self._persist_identity(cf)
+            self.store.queue_meta(key, "1")
+            await self.persist(durable=True)
+            try:
+                return await unlink()
+            except BaseException:
+                self.store.queue_meta(key, None)
+                raise
+        # On success the intent stays until the file's data is dropped (drop_file: at once,
+        # or at the last release of a file still open), in the batch that drops it.
+
+    def unlink_intent_clear(self, ino: int) -> None:
+        """The guarded unlink left the file another name after all (a link made meanwhile)."""
+        self.store.queue_meta(UNLINKING + str(ino), None)
 
     # -- dirty accounting --------------------------------------------------------------------
 
@@ -247,6 +332,7 @@ class Cache:
         cf.clobber(0, 1 << 62)
         self.admission.forget_file(cf.ino)
         self.store.queue_drop_file(cf.ino)
+        self.store.queue_meta(UNLINKING + str(cf.ino), None)
         # Safe before the commit: the stored identity no longer matches BACKING.
         try:
             if cf.cache_fd >= 0:
@@ -283,6 +369,12 @@ class Cache:
             return False
         if cf.writes_inflight or self._overtaken(cf, token):
             return True                 # our own change is in flight or overtook the stat
+        if cf.ctime_pending and ident[:3] == cf.identity[:3]:
+            # Our own metadata change (the unlink of another hard link) moved only the ctime.
+            cf.ctime_pending = False
+            cf.identity = ident
+            self._persist_identity(cf)
+            return True
         if cf.dirty_exts:
             self._conflict(cf, ident)
             cf.identity = ident
@@ -291,20 +383,36 @@ class Cache:
             return False
         if cf.identity is not None and (cf.extents or cf.fills):
             self.stats.stale_files += 1
-            log.info("BACKING inode %d changed behind the cache (%s -> %s); dropping %d "
-                     "cached extents", cf.ino, cf.identity[1:], ident[1:], len(cf.extents))
+            self.stats.drop_coherence += len(cf.extents)
+            log.info("BACKING inode %d changed behind the cache (size, mtime, ctime %s -> %s); "
+                     "dropping %d cached extents (reason: coherence)", cf.ino, cf.identity[1:],
+                     ident[1:], len(cf.extents))
             self.drop_file(cf)
         cf.identity = ident
         cf.size = st.st_size
+        cf.recovered = False
         return False
 
     def _conflict(self, cf: CachedFile, ident: tuple[int, int, int, int]) -> None:
         """BACKING changed while we hold dirty data: keep the dirty blocks (they are the
-        newest acknowledged writes), drop the clean ones (they may be stale), report it."""
-        self.stats.conflicts += 1
-        log.warning("conflict: BACKING inode %d (%s) changed behind the cache while %d "
-                    "extents hold dirty data; the dirty data will overwrite it",
-                    cf.ino, os.fsdecode(cf.path or b"?"), cf.dirty_exts)
+        newest acknowledged writes), drop the clean ones (they may be stale), report it.
+
+        After an unclean stop, BACKING's identity may differ only because our own destaging
+        and truncates ran after the last commit: then it is not reported as a conflict."""
+        clean = sum(1 for x in cf.extents.values() if not x.dirty)
+        if cf.recovered:
+            cf.recovered = False
+            log.info("BACKING inode %d (%s) changed since the last commit before an unclean "
+                     "stop; keeping its dirty data, dropping %d clean extents (reason: "
+                     "recovery)", cf.ino, os.fsdecode(cf.path or b"?"), clean)
+            self.stats.drop_recovery += clean
+        else:
+            self.stats.conflicts += 1
+            self.stats.drop_coherence += clean
+            log.warning("conflict: BACKING inode %d (%s) changed behind the cache while %d "
+                        "extents hold dirty data; the dirty data will overwrite it; dropping "
+                        "%d clean extents (reason: coherence)", cf.ino,
+                        os.fsdecode(cf.path or b"?"), cf.dirty_exts, clean)
         cf.clobber(0, 1 << 62)
         for x in list(cf.extents.values()):
             if not x.dirty:
@@ -314,10 +422,19 @@ class Cache:
                 self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
 
     def _own_change(self, cf: CachedFile, st: os.stat_result, size_exact: bool) -> None:
-        """Record BACKING's identity after a change made by cachefs itself."""
+        """Record BACKING's identity after a change made by cachefs itself.
+
+        Own operations on one file overlap (several writes in flight) and their results
+        arrive in any order, so a stat taken earlier may be processed later: the recorded
+        identity only moves forward, to the stat with the latest (ctime, mtime, size). The
+        latest stat was taken after every completed own operation, so once none is in
+        flight the recorded identity is BACKING's state after all of them."""
         cf.change_seq += 1
         self.change_seq += 1
-        cf.identity = identity(st)
+        ident = identity(st)
+        if cf.identity is not None and cf.identity[0] == ident[0] and _older(ident, cf.identity):
+            return                      # a later state of ours is known already
+        cf.identity = ident
         if size_exact:
             cf.size = st.st_size
         elif cf.writes_inflight or cf.dirty_exts:
@@ -345,13 +462,30 @@ class Cache:
         if cf is not None and not self.revalidate(cf, st, token):
             self._on_stale(ino)
 
-    def own_metadata_change(self, ino: int, st: os.stat_result) -> None:
-        """cachefs changed attributes (chmod, rename, link...): the ctime moved, data did not."""
+    def own_metadata_change(self, ino: int, st: os.stat_result | None,
+                            times_set: bool = False) -> None:
+        """cachefs changed attributes (chmod, xattrs, rename, link...): the ctime moved, the
+        data did not. `st` is BACKING's stat right after the change (None: not known, e.g.
+        the unlink of another hard link: the next ctime-only change is taken as ours).
+
+        Only a ctime change is adopted (and an mtime change the caller set itself): a
+        different size or mtime means someone else changed the data before our change, and
+        the next revalidation must still see that. With own writes in flight, the stat may
+        include them: it is merged like theirs."""
         cf = self.files.get(ino)
-        if cf is not None and cf.identity is not None and cf.identity[1] == st.st_size:
+        if cf is None or cf.identity is None:
+            return
+        if st is None:
+            cf.ctime_pending = True
+            return
+        ident = identity(st)
+        if cf.writes_inflight:
+            self._own_change(cf, st, size_exact=False)
+        elif ident[0] == cf.identity[0] and ident[1] == cf.identity[1] and (
+                times_set or ident[2] == cf.identity[2]):
             cf.change_seq += 1
             self.change_seq += 1
-            cf.identity = identity(st)
+            cf.identity = ident
             self._persist_identity(cf)
 
     def forget(self, ino: int) -> None:
@@ -401,8 +535,21 @@ class Cache:
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
         token = self.stat_token(ino)
         want_direct = not self.write_back and flags & os.O_ACCMODE != os.O_RDONLY
-        fd, st, dfd = await self.backing.read_call("open", _open_fstat, path, bflags,
-                                                   want_direct)
+        readable = True
+        if self.write_back and flags & os.O_ACCMODE == os.O_WRONLY:
+            # A sub-block write-back write into a block not cached reads BACKING's bytes
+            # of that block: open BACKING read-write if BACKING lets us (else such writes
+            # go around the cache, see _write_around).
+            try:
+                fd, st, dfd = await self.backing.read_call(
+                    "open", _open_fstat, path, (bflags & ~os.O_ACCMODE) | os.O_RDWR, False)
+            except PermissionError:
+                readable = False
+            else:
+                bflags = -1
+        if bflags != -1:
+            fd, st, dfd = await self.backing.read_call("open", _open_fstat, path, bflags,
+                                                       want_direct)
         cf = self._file_for(ino)
         unchanged = self.revalidate(cf, st, token)
         cf.path = path
@@ -426,6 +573,7 @@ class Cache:
                 self.drop_file(cf)
         of = OpenFile(fh, cf, fd, flags, self.stats)
         of.direct_fd = dfd
+        of.readable = readable
         return of, unchanged
 
     async def create(self, fh: int, path: bytes, flags: int, mode: int, uid: int, gid: int,
@@ -433,7 +581,20 @@ class Cache:
                      ) -> tuple[OpenFile, os.stat_result]:
         """Create and open a BACKING file owned by uid/gid; `remember` names its inode."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | (flags & os.O_EXCL) | os.O_CLOEXEC
-        fd, st = await self.backing.write_call(bk.create, path, bflags, mode, uid, gid, parent)
+        readable = flags & os.O_ACCMODE != os.O_WRONLY
+        opened = None
+        if self.write_back and not readable:
+            try:                # as in open(): fills of sub-block writes read through it
+                opened = await self.backing.write_call(
+                    bk.create, path, (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid,
+                    parent)
+                readable = True
+            except PermissionError:
+                pass
+        if opened is None:
+            opened = await self.backing.write_call(bk.create, path, bflags, mode, uid, gid,
+                                                   parent)
+        fd, st = opened
         ino = remember(st)
         cf = self._file_for(ino)
         self.revalidate(cf, st)
@@ -447,6 +608,7 @@ class Cache:
                 os.close(fd)
                 raise
         of = OpenFile(fh, cf, fd, flags, self.stats)
+        of.readable = readable
         if not self.write_back:
             of.direct_fd = await self.backing.write_call(aio.open_direct, fd)
         return of, st
@@ -461,6 +623,12 @@ class Cache:
         return [of.backing_fd] if of.direct_fd < 0 else [of.backing_fd, of.direct_fd]
 
     # -- reads -----------------------------------------------------------------------------
+
+    def filling(self) -> bool:
+        """True while the pool has free room (below --promote-all-below): then every miss is
+        cached on first touch, sequential streams included. An empty pool costs nothing to
+        fill, and one-touch data is the first to go (S3-FIFO's small queue)."""
+        return len(self.pool) < self.capacity_exts * self.cfg.promote_all_below
 
     async def read_miss(self, of: OpenFile, off: int, size: int) -> bytes:
         """Answer a read from BACKING; start promotion of extents that earned it."""
@@ -478,11 +646,15 @@ class Cache:
             return data
         st.miss_ops += 1
         promote = []
-        if self.capacity_exts:
+        if self.capacity_exts and not self.ssd_full():
+            filling = self.filling()
             for e in range((off >> EXT_SHIFT), ((off + size - 1) >> EXT_SHIFT) + 1):
                 if e in cf.fills:
                     continue
                 if e in cf.extents:             # partly valid: complete it
+                    promote.append(e)
+                    continue
+                if filling:
                     promote.append(e)
                     continue
                 if e == of.last_miss_ext:
@@ -504,24 +676,30 @@ class Cache:
                 for e in promote:
                     cf.fills.pop(e, None)
                 raise
-            for e in promote:
-                lo = (e << EXT_SHIFT) - start
-                chunk = whole[lo:lo + EXT_SIZE]
-                try:
-                    self._promote_send.send_nowait((cf, e, chunk))
-                except trio.WouldBlock:
-                    cf.fills.pop(e, None)
-                    st.promotions_dropped += 1
             data = whole[off - start:off - start + size]
+            await self._promote(cf, [(e, whole[(e << EXT_SHIFT) - start:
+                                               (e << EXT_SHIFT) - start + EXT_SIZE])
+                                     for e in promote])
         if cf.dirty_exts:
             data = self._overlay_dirty(cf, off, size, data)
         st.miss_bytes += len(data)
         st.read_bytes += len(data)
         return data
 
+    async def _promote(self, cf: CachedFile, chunks: list[tuple[int, bytes]]) -> None:
+        """Hand extents read from BACKING (their fills marked) to the promoter. A full queue
+        holds the reader a moment (back-pressure) rather than losing the promotion."""
+        for e, chunk in chunks:
+            try:
+                self._promote_send.send_nowait((cf, e, chunk))
+            except trio.WouldBlock:
+                self.stats.promotion_waits += 1
+                await self._promote_send.send((cf, e, chunk))
+
     async def _stream_read(self, of: OpenFile, off: int, size: int) -> bytes:
         """A read of a sequential stream: taken from what was read ahead if still valid;
-        starts reading the next requests ahead (cachefs/readahead.py)."""
+        starts reading the next requests ahead (cachefs/readahead.py). While the pool is
+        filling, the whole extents it covers are promoted too."""
         cf = of.cfile
         ahead = of.ahead.pop(off, None)
         for o in [o for o in of.ahead if o < off]:    # the stream moved on without them
@@ -530,8 +708,37 @@ class Cache:
         if ahead is not None and ahead.size == size:
             await ahead.done.wait()
             if readahead.usable(ahead, cf):
+                exts = self._stream_promotions(cf, off, len(ahead.data))   # whole ones
+                await self._promote(cf, [(e, _slice_ext(ahead.data, off, e)) for e in exts])
                 return ahead.data
-        return await self._backing_read(of.backing_fd, size, off)
+        exts = self._stream_promotions(cf, off, size)
+        try:
+            data = await self._backing_read(of.backing_fd, size, off)
+        except BaseException:
+            for e in exts:
+                cf.fills.pop(e, None)
+            raise
+        end = off + len(data)
+        eof = len(data) < size                  # then an extent cut by EOF is complete
+        for e in [e for e in exts if ((e + 1) << EXT_SHIFT) > end
+                  and not (eof and (e << EXT_SHIFT) < end)]:
+            cf.fills.pop(e, None)               # the read did not cover it
+            exts.remove(e)
+        await self._promote(cf, [(e, _slice_ext(data, off, e)) for e in exts])
+        return data
+
+    def _stream_promotions(self, cf: CachedFile, off: int, size: int) -> list[int]:
+        """Extents wholly inside a stream's read that are worth caching while the pool is
+        filling; their fills are marked (a write meanwhile overtakes them)."""
+        if not self.capacity_exts or self.ssd_full() or not self.filling():
+            return []
+        first = (off + EXT_SIZE - 1) >> EXT_SHIFT
+        out = []
+        for e in range(first, (off + size) >> EXT_SHIFT):
+            if e not in cf.fills and e not in cf.extents:
+                cf.fills[e] = False
+                out.append(e)
+        return out
 
     def _read_ahead(self, of: OpenFile, nxt: int, size: int) -> None:
         cf = of.cfile
@@ -612,7 +819,7 @@ class Cache:
         clobbered = cf.fills.pop(e, True)
         key = (cf.ino, e)
         if (clobbered or not chunk or self.files.get(cf.ino) is not cf
-                or key in self._punching):
+                or key in self._punching or self.ssd_full()):
             self.stats.promotions_dropped += 1
             return False
         x = cf.extents.get(e)
@@ -629,18 +836,16 @@ class Cache:
         try:
             fd = self._cache_fd(cf)
             if fill == valid:
-                os.pwrite(fd, chunk, base)
+                pwrite_all(fd, chunk, base)
             else:
                 view = memoryview(chunk)
                 for b0, b1 in _runs(fill):
-                    os.pwrite(fd, view[b0 << BLK_SHIFT:b1 << BLK_SHIFT], base + (b0 << BLK_SHIFT))
+                    pwrite_all(fd, view[b0 << BLK_SHIFT:b1 << BLK_SHIFT],
+                               base + (b0 << BLK_SHIFT))
         except OSError as exc:
-            self.stats.cache_errors += 1
             self.stats.promotions_dropped += 1
-            log.warning("cannot write to the cache directory: %s", exc)
-            if x is not None and not x.dirty:
-                self._remove_extent(cf, x)
-            self._close_idle_fd(cf)
+            self.ssd_failed(exc, "a promotion")   # only invalid blocks were written: the
+            self._close_idle_fd(cf)               # map is unchanged and still true
             return False
         if x is None:
             x = cf.extents[e] = Extent(cf.ino, e, valid)
@@ -686,16 +891,22 @@ class Cache:
 
         Checkpoints: flow control (above --dirty-high), waiting for room while the pool is
         full of dirty data, and filling a partly written block that BACKING holds bytes of.
-        After the last checkpoint everything is synchronous, hence atomic.
+        After the last checkpoint everything is synchronous, hence atomic. When the SSD is
+        out of space, or a partly written block cannot be read from BACKING (a write-only
+        handle BACKING would not reopen read-write), the write goes around the cache.
         """
         cf = of.cfile
         end = off + len(data)
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
         await self.destager.throttle(len(data))
         while True:
+            if self.ssd_full():
+                return await self._write_around(of, off, data)
             gaps = self._partial_gaps(cf, off, end)
             if gaps:
-                if not await self._fill_for_write(of, cf, gaps):
+                if not of.readable:
+                    return await self._write_around(of, off, data)
+                if not await self._fill_for_write(of, cf, gaps) and not self.ssd_full():
                     await self.destager.wait_progress()
                 continue
             missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
@@ -704,13 +915,47 @@ class Cache:
                 await self.destager.wait_progress()      # the pool is full of dirty data
                 continue
             break
+        try:
+            self._write_dirty(cf, off, data)
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            self.ssd_failed(exc, "a write-back write")
+            return await self._write_around(of, off, data)
+        if cf.wb_fd < 0:
+            cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
+        self.stats.write_ops += 1
+        self.stats.write_bytes += len(data)
+        if of.flags & (os.O_SYNC | os.O_DSYNC):
+            await self.persist(durable=True)
+        return len(data)
+
+    def _write_dirty(self, cf: CachedFile, off: int, data: bytes) -> None:
+        """Put a write-back write into the cache file and mark its blocks dirty (sync).
+
+        Extents whose clean blocks are overwritten in place are journaled first (a crash
+        must not leave new bytes in blocks the database calls clean). On an SSD error the
+        map is unchanged; blocks partly written hold either version of clean bytes, and the
+        caller writes the same bytes to BACKING (_write_around), so both agree again.
+        """
+        end = off + len(data)
+        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        for e in range(first, last + 1):
+            x = cf.extents.get(e)
+            if x is None or x.key in self._journaled:
+                continue
+            base = e << EXT_SHIFT
+            m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
+            if x.valid & ~x.dirty & m:
+                self.store.journal_dirtying(cf.ino, e)      # before clean data changes
+                self._journaled.add(x.key)
         fd = self._cache_fd(cf)
         head, tail = self._zero_pads(cf, off, end)
         if head:
-            os.pwrite(fd, bytes(head), off - head)
+            pwrite_all(fd, bytes(head), off - head)
         if tail:
-            os.pwrite(fd, bytes(tail), end)
-        os.pwrite(fd, data, off)                # raises on a failing SSD: nothing changed yet
+            pwrite_all(fd, bytes(tail), end)
+        pwrite_all(fd, data, off)
         for e in range(first, last + 1):
             x = cf.extents.get(e)
             if x is None:
@@ -720,9 +965,6 @@ class Cache:
                 self._punch_committing.pop(x.key, None)
             base = e << EXT_SHIFT
             m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
-            if x.valid & ~x.dirty & m and x.key not in self._journaled:
-                self.store.journal_dirtying(cf.ino, e)      # before clean data changes
-                self._journaled.add(x.key)
             x.valid |= m
             x.redirty |= m
             self._set_dirty(cf, x, m)
@@ -731,13 +973,58 @@ class Cache:
             cf.size = end
         self._persist_identity(cf)
         self._written.add(cf.ino)
-        if cf.wb_fd < 0:
-            cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
+
+    async def _write_around(self, of: OpenFile, off: int, data: bytes) -> int:
+        """A write-back write that cannot be cached goes to BACKING at once (write-through).
+
+        Blocks it touches that hold dirty data get the new bytes in the cache file too (they
+        are allocated, so this needs no new SSD space) and stay dirty: the destager later
+        writes the merged blocks. Clean blocks it touches turn invalid. The file's lock keeps
+        the destager out meanwhile: a destage pass that read a block before this write must
+        not land after it.
+        """
+        cf = of.cfile
+        end = off + len(data)
+        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        self.stats.writes_around += 1
+        async with self.file_lock(cf):
+            cf.clobber(first, last)
+            view = memoryview(data)
+            for e in range(first, last + 1):
+                x = cf.extents.get(e)
+                if x is None:
+                    continue
+                base = e << EXT_SHIFT
+                s, t = max(off, base), min(end, base + EXT_SIZE)
+                m = block_mask(s - base, t - base)
+                for b0, b1 in _runs(x.dirty & m):
+                    bs = max(s, base + (b0 << BLK_SHIFT))
+                    bt = min(t, base + (b1 << BLK_SHIFT))
+                    pwrite_all(self._cache_fd(cf), view[bs - off:bt - off], bs)
+                    x.redirty |= block_mask(bs - base, bt - base)
+                x.valid &= ~(m & ~x.dirty)
+                self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
+                self._written.add(cf.ino)
+            cf.writes_inflight += 1
+            try:
+                written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
+            except OSError:
+                self.stats.backing_errors += 1
+                raise
+            finally:
+                cf.writes_inflight -= 1
+            cf.clobber(first, last)
         self.stats.write_ops += 1
-        self.stats.write_bytes += len(data)
-        if of.flags & (os.O_SYNC | os.O_DSYNC):
+        self.stats.write_bytes += written
+        self.stats.backing_write_ops += 1
+        self.stats.backing_write_bytes += written
+        self._own_change(cf, st, size_exact=False)
+        if end > cf.size:
+            cf.size = end
+            self._persist_identity(cf)
+        if of.flags & (os.O_SYNC | os.O_DSYNC):     # BACKING's fd has O_SYNC itself
             await self.persist(durable=True)
-        return len(data)
+        return written
 
     def _zero_pads(self, cf: CachedFile, off: int, end: int) -> tuple[int, int]:
         """Bytes to zero before and after a write in its partly written first and last
@@ -861,11 +1148,12 @@ class Cache:
                 x.valid &= ~block_mask(s - base, t - base)
                 continue
             try:
-                os.pwrite(self._cache_fd(cf), view[s - off:t - off], s)
+                pwrite_all(self._cache_fd(cf), view[s - off:t - off], s)
             except OSError as exc:
-                self.stats.cache_errors += 1
-                log.warning("cannot update the cache directory: %s", exc)
+                self.ssd_failed(exc, "a write-through update")
+                self.stats.drop_cache_error += 1
                 self._remove_extent(cf, x)
+                self._punch[x.key] = None
                 continue
             # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
             x.valid |= covered_mask(s - base, t - base, cf.size - base)
@@ -915,10 +1203,14 @@ class Cache:
 
     async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
                                ) -> os.stat_result:
-        had_dirty = cf.dirty_exts
         self._trim(cf, min(size, cf.size))
-        if had_dirty and size < cf.size:
-            # Dirty data past the new end must never be destaged after a crash.
+        if self.write_back and size < cf.size:
+            # Shrinking: the new logical size and the dirty blocks gone past it are durable
+            # before BACKING shrinks, so that after a crash the file is never longer than
+            # BACKING's truncate left it with older dirty data past the end (the database
+            # may still call such data dirty even when memory no longer does).
+            cf.size = size
+            self._persist_identity(cf)
             await self.persist(durable=True)
         cf.writes_inflight += 1
         try:
@@ -1013,6 +1305,66 @@ class Cache:
                     "dirty extents", cf.ino, os.fsdecode(cf.path or b"?"), cf.dirty_exts)
         self.drop_file(cf)
 
+    # -- a full or failing SSD ------------------------------------------------------------
+
+    def ssd_full(self) -> bool:
+        """True for a while after the cache filesystem ran out of space: no promotions,
+        write-back writes go around the cache, until evicted space is released."""
+        return self._ssd_full_until > time.monotonic()
+
+    def ssd_failed(self, exc: OSError, what: str) -> None:
+        """An SSD write failed. Out of space: shrink the pool below what is cached now and
+        evict clean data (the space is released after the next commit); the mount goes on
+        from BACKING meanwhile. Logged at most once a minute."""
+        self.stats.cache_errors += 1
+        full = exc.errno in _NO_SPACE
+        if full:
+            self.stats.cache_full_events += 1
+            self._ssd_full_until = time.monotonic() + SSD_FULL_HOLD_S
+            if self._shrink_at_s + SSD_FULL_HOLD_S < time.monotonic():
+                self._shrink_at_s = time.monotonic()
+                self._shrink_pool()
+        now = time.monotonic()
+        if now - self._ssd_warned_s >= 60:
+            self._ssd_warned_s = now
+            log.warning("the cache directory failed %s: %s; %s", what, exc.strerror or exc,
+                        "serving from BACKING and evicting clean data until space is "
+                        "released (the pool is now %s)" % format_size(self.capacity_exts
+                                                                      * EXT_SIZE)
+                        if full else "that data is served from BACKING")
+
+    def _shrink_pool(self) -> None:
+        """The cache filesystem is full (another tenant, or holes not yet punched): make the
+        pool 1/16 smaller than what it holds now and evict clean extents down to it."""
+        held = len(self.pool)
+        target = max(16, held - max(16, held // 16))
+        if target >= self.capacity_exts:
+            target = max(16, self.capacity_exts - max(16, self.capacity_exts // 16))
+        self.capacity_exts = target
+        n = 0
+        while len(self.pool) > self.capacity_exts:
+            x = self.pool.victim()
+            if x is None:
+                break
+            self._evict(self.files[x.ino], x)
+            n += 1
+        self.stats.drop_capacity += n
+        log.warning("cache filesystem full: pool shrunk to %s, %d clean extents evicted "
+                    "(reason: capacity)", format_size(self.capacity_exts * EXT_SIZE), n)
+
+    def _regrow_pool(self) -> None:
+        """Give the pool back the room it lost to a full filesystem, as space frees up."""
+        if self.capacity_exts >= self.target_exts or self.ssd_full():
+            return
+        try:
+            sv = os.statvfs(self.cfg.cache_dir)
+        except OSError:
+            return
+        spare = sv.f_bavail * sv.f_frsize - int(sv.f_blocks * sv.f_frsize * 0.10)
+        if spare > 0:
+            self.capacity_exts = min(self.target_exts,
+                                     self.capacity_exts + spare // EXT_SIZE)
+
     # -- operator commands -------------------------------------------------------------------
 
     def drop_clean(self) -> int:
@@ -1024,6 +1376,8 @@ class Cache:
                 if not x.dirty:
                     self._evict(cf, x)
                     n += 1
+        self.stats.drop_operator += n
+        log.info("dropped %d clean cached extents (reason: operator, cachefs-ctl drop)", n)
         return n
 
     def status(self) -> dict:
@@ -1064,19 +1418,65 @@ class Cache:
         batch = self.store.take_batch()
         self._punch_committing.update(self._punch)
         self._punch = {}
-        written = [self.cache_path(ino) for ino in self._written]
+        written = set(self._written)
         self._written = set()
-        if written:
-            await trio.to_thread.run_sync(_fdatasync_paths, written)
-        self.store.commit(batch, durable or bool(self._punch_committing))
+        try:
+            if written:
+                await trio.to_thread.run_sync(_fdatasync_paths,
+                                              [self.cache_path(i) for i in written])
+            try:
+                self.store.commit(batch, durable or bool(self._punch_committing))
+            except sqlite3.OperationalError as exc:
+                if not _is_full(exc) or not self.store.release_reserve():
+                    raise
+                # The reserve file made room for this commit (it forgets evicted extents,
+                # whose holes free more once punched).
+                self._metadata_failed(exc)
+                self.store.commit(batch, durable or bool(self._punch_committing))
+        except (OSError, sqlite3.Error) as exc:
+            # A full or failing SSD: keep everything queued for the next try (the mount
+            # goes on; a durable request fails, as an fsync of a failing disk must).
+            self.store.requeue(batch)
+            self._written |= written
+            self._punch.update(self._punch_committing)
+            self._punch_committing = {}
+            self._metadata_failed(exc)
+            if durable:
+                raise OSError(errno.EIO, f"the cache's metadata could not be committed: "
+                              f"{exc}") from None
+            return
         if self._punch_committing:
             keys = list(self._punch_committing)
             self._punch_committing = {}
             self._punching = set(keys)
             try:
                 await trio.to_thread.run_sync(self._punch_holes, keys)
+            except OSError as exc:      # the space stays used; the map no longer claims it
+                self.ssd_failed(exc, "releasing evicted space")
             finally:
                 self._punching = set()
+            if self.store.ensure_reserve():     # space was released: try the SSD again
+                self._ssd_full_until = 0.0
+        self._regrow_pool()
+
+    def _metadata_failed(self, exc: Exception) -> None:
+        """A commit failed (SQLite or the SSD): out of space, release the reserve file so the
+        next commit (which forgets evicted extents, whose holes then free space) fits."""
+        self.stats.metadata_errors += 1
+        full = _is_full(exc)
+        if full:
+            self.stats.cache_full_events += 1
+            self._ssd_full_until = time.monotonic() + SSD_FULL_HOLD_S
+            self.store.release_reserve()
+            if self._shrink_at_s + SSD_FULL_HOLD_S < time.monotonic():
+                self._shrink_at_s = time.monotonic()
+                self._shrink_pool()
+        now = time.monotonic()
+        if now - self._persist_warned_s >= 60:
+            self._persist_warned_s = now
+            log.warning("committing cache metadata failed (%s); it stays queued and is "
+                        "retried%s", exc, "; the cache filesystem is full: evicting clean "
+                        "data" if full else "")
 
     def _punch_holes(self, keys: list[tuple[int, int]]) -> None:
         """Release the SSD space of evicted extents (runs in a thread: SSD syscalls only)."""
@@ -1123,6 +1523,19 @@ def _fdatasync_paths(paths: list[str]) -> None:
             os.fdatasync(fd)
         finally:
             os.close(fd)
+
+
+def _is_full(exc: Exception) -> bool:
+    """An error that means the cache filesystem is out of space."""
+    if isinstance(exc, OSError):
+        return exc.errno in _NO_SPACE
+    return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
+
+
+def _slice_ext(data: bytes, off: int, e: int) -> bytes:
+    """Extent `e`'s bytes out of `data` read at `off`."""
+    lo = (e << EXT_SHIFT) - off
+    return data[lo:lo + EXT_SIZE]
 
 
 def _runs(mask: int) -> list[tuple[int, int]]:

@@ -72,6 +72,7 @@ class Config:
     commit_interval_s: float = 1.0
     debug: bool = False
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
+    promote_all_below: float = 0.90       # pool fill below which every miss is admitted
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +83,8 @@ class Config:
         if self.eviction not in EVICTIONS:
             raise UserError(f"eviction policy {self.eviction!r} is not one of "
                             f"{', '.join(EVICTIONS)}.")
+        if not 0 <= self.promote_all_below <= 1:
+            raise UserError("--promote-all-below must be a percentage from 0 to 100.")
         if self.promote_after < 1:
             raise UserError("--promote-after must be at least 1.")
         if self.sequential_cutoff < 0:

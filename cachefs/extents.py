@@ -80,7 +80,7 @@ class CachedFile:
 
     __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
                  "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts",
-                 "wtrack", "trunc_seq", "change_seq")
+                 "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -99,6 +99,8 @@ class CachedFile:
         self.wtrack: dict[int, list[int]] = {}   # ext -> [write-through writes in flight, seq]
         self.trunc_seq = 0                 # bumped by every truncation
         self.change_seq = 0                # bumped by every change cachefs makes to BACKING
+        self.ctime_pending = False         # an own change moved BACKING's ctime, stat unknown
+        self.recovered = False             # loaded after an unclean stop, not yet revalidated
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""

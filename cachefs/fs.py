@@ -181,7 +181,7 @@ class Operations(pyfuse3.Operations):
             st = await self._backing.write_call(bk.setattr, path, fd, mode, uid, gid, times)
         except OSError as exc:
             raise to_fuse_error(exc) from None
-        self._cache.own_metadata_change(inode, st)
+        self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
         return self._attr(st, inode)
 
     async def readlink(self, inode, ctx):
@@ -219,13 +219,35 @@ class Operations(pyfuse3.Operations):
 
     async def unlink(self, parent_inode, name, ctx):
         path = self._path(parent_inode) + b"/" + name
+        ino = self._inodes.child(parent_inode, name)
         try:
-            st = await self._backing.write_call(bk.unlink, path)
+            guarded = await self._last_link(ino, path)
+            if guarded:
+                st = await self._cache.unlink_guarded(
+                    ino, lambda: self._backing.write_call(bk.unlink, path))
+            else:
+                st = await self._backing.write_call(bk.unlink, path)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._inodes.unlinked(parent_inode, name)
-        if st.st_nlink <= 1 and stat_mod.S_ISREG(st.st_mode):
-            self._cache.last_link_removed(self._inodes.ino_of(st))
+        if stat_mod.S_ISREG(st.st_mode):
+            if st.st_nlink <= 1:
+                self._cache.last_link_removed(self._inodes.ino_of(st))
+            else:                       # the other names' inode lost a link: its ctime moved
+                if guarded:
+                    self._cache.unlink_intent_clear(ino)
+                self._cache.own_metadata_change(self._inodes.ino_of(st), None)
+
+    async def _last_link(self, ino: int | None, path: bytes) -> bool:
+        """Whether removing `path` removes the last name of cached file `ino` (write-back
+        guards that against a crash half-way, see Cache.unlink_guarded)."""
+        if not self._cache.needs_unlink_guard(ino):
+            return False
+        try:
+            st = await self._backing.lstat(path)
+        except FileNotFoundError:
+            return False
+        return st.st_nlink <= 1 and self._inodes.ino_of(st) == ino
 
     async def rmdir(self, parent_inode, name, ctx):
         try:
@@ -239,8 +261,13 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EINVAL)
         old = self._path(parent_inode_old) + b"/" + name_old
         new = self._path(parent_inode_new) + b"/" + name_new
+        target = self._inodes.child(parent_inode_new, name_new)
         try:
-            replaced, st = await self._backing.write_call(bk.rename, old, new, flags)
+            if not flags & pyfuse3.RENAME_EXCHANGE and await self._last_link(target, new):
+                replaced, st = await self._cache.unlink_guarded(
+                    target, lambda: self._backing.write_call(bk.rename, old, new, flags))
+            else:
+                replaced, st = await self._backing.write_call(bk.rename, old, new, flags)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
@@ -248,9 +275,14 @@ class Operations(pyfuse3.Operations):
         moved = self._inodes.ino_of(st)
         self._cache.own_metadata_change(moved, st)
         self._cache.renamed(moved, new)
-        if (replaced is not None and not exchange and replaced.st_nlink <= 1
-                and stat_mod.S_ISREG(replaced.st_mode) and replaced.st_ino != st.st_ino):
-            self._cache.last_link_removed(self._inodes.ino_of(replaced))
+        if (replaced is not None and not exchange and stat_mod.S_ISREG(replaced.st_mode)
+                and replaced.st_ino != st.st_ino):
+            if replaced.st_nlink <= 1:
+                self._cache.last_link_removed(self._inodes.ino_of(replaced))
+            else:
+                if target is not None:
+                    self._cache.unlink_intent_clear(target)
+                self._cache.own_metadata_change(self._inodes.ino_of(replaced), None)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
         new = self._path(new_parent_inode) + b"/" + new_name
@@ -394,12 +426,14 @@ class Operations(pyfuse3.Operations):
             await self._backing.write_call(_setxattr, self._path(inode), name, value)
         except OSError as exc:
             raise to_fuse_error(exc) from None
+        self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
 
     async def removexattr(self, inode, name, ctx):
         try:
             await self._backing.write_call(_removexattr, self._path(inode), name)
         except OSError as exc:
             raise to_fuse_error(exc) from None
+        self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
 
 
 def _getxattr(path: bytes, name: bytes) -> bytes:

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 from typing import Callable
@@ -123,8 +124,25 @@ def lock_cache_dir(cache_dir: str) -> int:
     return fd
 
 
+def cache_dir_usage(cache_dir: str) -> int:
+    """Bytes the cache directory itself occupies on its filesystem (data files, database)."""
+    used = 0
+    for dirpath, _, names in os.walk(cache_dir):
+        for name in names:
+            try:
+                used += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return used
+
+
 def cache_capacity(cfg: Config, cached_bytes: int) -> int:
-    """The pool size in bytes: --cache-size, or what keeps the cache filesystem 10 % free."""
+    """The pool size in bytes: --cache-size, or what keeps the cache filesystem 10 % free.
+
+    `cached_bytes` is what cachefs already holds there (cache_dir_usage): it counts as
+    free for the pool, so a warm cache keeps every extent across a remount instead of
+    shrinking by what it holds.
+    """
     sv = os.statvfs(cfg.cache_dir)
     total = sv.f_blocks * sv.f_frsize
     avail = sv.f_bavail * sv.f_frsize
@@ -221,7 +239,8 @@ class Daemon:
             log.warning("the last stop of this cache was not clean; cached data is "
                         "revalidated against BACKING as files are opened")
         self.store.set_meta("mode", self.cfg.mode)
-        capacity = cache_capacity(self.cfg, 0) // EXT_SIZE
+        self.store.ensure_reserve()
+        capacity = cache_capacity(self.cfg, cache_dir_usage(self.cfg.cache_dir)) // EXT_SIZE
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity,
@@ -328,11 +347,23 @@ class Daemon:
         finally:
             if mounted:
                 pyfuse3.close(unmount=True)
+            clean = True
             with trio.CancelScope(shield=True):
                 sd_notify("STOPPING=1")
-                await self.cache.persist(durable=True)
-            self.store.close(clean=True)
-            log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
+                try:
+                    await self.cache.persist(durable=True)
+                except OSError as exc:
+                    clean = False
+                    log.error("the last metadata commit failed (%s); the next mount "
+                              "recovers as after a crash", exc)
+            try:
+                self.store.close(clean=clean)
+            except sqlite3.Error as exc:
+                clean = False
+                log.error("closing the metadata database failed (%s); the next mount "
+                          "recovers as after a crash", exc)
+            if clean:
+                log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
 
     async def _destage_before_write_through(self) -> None:
         log.info("destaging %s of write-back data before mounting in write-through mode",

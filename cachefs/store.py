@@ -17,12 +17,19 @@ import time
 from .errors import UserError
 
 SCHEMA_VERSION = 2
+RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 
 # meta: key/value facts about this cache directory.
 #   backing      real path of the BACKING directory this cache belongs to
 #   backing_dev  st_dev:st_ino of BACKING's root when the cache was created (informational)
 #   clean        '1' after a clean unmount, '0' while mounted (an unclean stop leaves '0')
 #   mode         the mode of the last mount
+#   unlinking:INO  write-back: BACKING is about to lose the last name of inode INO, whose
+#                cached data this database holds; written durably before the unlink and
+#                deleted in the batch that drops the file. After an unclean stop, the file's
+#                data is kept only if BACKING still has INO at its path hint with the
+#                recorded identity; otherwise it was unlinked (and its number may now belong
+#                to a new file), and the data is discarded.
 # files: one row per BACKING inode with cached data.
 #   ino          BACKING st_ino (also the FUSE inode number and the cache file's name)
 #   size, mtime_ns, ctime_ns   BACKING's identity when the extents below were valid; a file
@@ -57,6 +64,7 @@ class MetadataStore:
         self._dropped: set[int] = set()                # files whose rows go first
         self._files: dict[int, tuple[int, int, int, bytes | None, int]] = {}
         self._extents: dict[tuple[int, int], tuple[int, int] | None] = {}
+        self._meta: dict[str, str | None] = {}         # meta rows to set (None: delete)
         self.commits = 0
         self.last_commit_s = 0.0
         self._jfd = -1
@@ -144,6 +152,14 @@ class MetadataStore:
     def queue_drop_extent(self, ino: int, ext: int) -> None:
         self._extents[(ino, ext)] = None
 
+    def queue_meta(self, key: str, value: str | None) -> None:
+        """Set (or, with None, delete) a meta row in the next batch."""
+        self._meta[key] = value
+
+    def meta_keys(self, prefix: str) -> list[str]:
+        return [k for (k,) in self._db.execute("SELECT key FROM meta WHERE key >= ? AND "
+                                               "key < ?", (prefix, prefix + "\uffff"))]
+
     # -- the doubt journal (write-back) ----------------------------------------------------
     # A write-back write that modifies blocks the database may record as clean appends
     # (ino, ext) here first. The journal is rotated when a batch is taken and the previous
@@ -164,7 +180,15 @@ class MetadataStore:
         if self._jfd >= 0:
             os.close(self._jfd)
             self._jfd = -1
-            os.replace(self._journal(""), self._journal(".prev"))
+            if os.path.exists(self._journal(".prev")):
+                # The previous batch was not committed (requeued): its entries still count.
+                with open(self._journal(""), "rb") as f:
+                    raw = f.read()
+                with open(self._journal(".prev"), "ab") as f:
+                    f.write(raw)
+                os.unlink(self._journal(""))
+            else:
+                os.replace(self._journal(""), self._journal(".prev"))
 
     def read_journal(self) -> set[tuple[int, int]]:
         """Extents in doubt after an unclean stop (both journal generations)."""
@@ -187,20 +211,68 @@ class MetadataStore:
                 pass
 
     def pending(self) -> int:
-        return len(self._dropped) + len(self._files) + len(self._extents)
+        return len(self._dropped) + len(self._files) + len(self._extents) + len(self._meta)
 
     # -- committing ----------------------------------------------------------------------
 
-    def take_batch(self) -> tuple[set, dict, dict]:
+    def take_batch(self) -> tuple[set, dict, dict, dict]:
         """Detach the queued changes; the caller syncs their data, then calls commit()."""
-        batch = (self._dropped, self._files, self._extents)
-        self._dropped, self._files, self._extents = set(), {}, {}
+        batch = (self._dropped, self._files, self._extents, self._meta)
+        self._dropped, self._files, self._extents, self._meta = set(), {}, {}, {}
         self._rotate_journal()
         return batch
 
-    def commit(self, batch: tuple[set, dict, dict], durable: bool) -> None:
+    def requeue(self, batch: tuple[set, dict, dict, dict]) -> None:
+        """Put back a batch whose commit failed, under the changes queued since (newer)."""
+        dropped, files, extents, meta = batch
+        self._meta = {**meta, **self._meta}
+        newer_drops = self._dropped
+        self._dropped = dropped | newer_drops
+        self._files = {**{i: v for i, v in files.items() if i not in newer_drops},
+                       **self._files}
+        self._extents = {**{k: v for k, v in extents.items() if k[0] not in newer_drops},
+                         **self._extents}
+
+    # -- the space reserve -----------------------------------------------------------------
+    # A file of RESERVE_BYTES kept in the cache directory: when the cache filesystem fills
+    # up, it is deleted so that the commit that forgets evicted extents (whose holes then
+    # release their space) still fits; it is made again once space was released.
+
+    def ensure_reserve(self) -> bool:
+        """Make the reserve file if the filesystem has room to spare; True if it exists."""
+        path = os.path.join(self.cache_dir, "reserve")
+        try:
+            if os.path.getsize(path) >= RESERVE_BYTES:
+                return True
+        except FileNotFoundError:
+            pass
+        try:
+            sv = os.statvfs(self.cache_dir)
+            if sv.f_bavail * sv.f_frsize < 2 * RESERVE_BYTES:
+                return False
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            return True
+        except OSError:                 # no room for it now: try again after the next punch
+            os.unlink(path)
+            return False
+        finally:
+            os.close(fd)
+
+    def release_reserve(self) -> bool:
+        """Delete the reserve file; True if there was one (its space is free now)."""
+        try:
+            os.unlink(os.path.join(self.cache_dir, "reserve"))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def commit(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
         """Write one batch in one transaction; `durable` makes the commit survive power loss."""
-        dropped, files, extents = batch
+        dropped, files, extents, meta = batch
         db = self._db
         if durable:
             db.execute("PRAGMA synchronous=FULL")
@@ -215,6 +287,10 @@ class MetadataStore:
                            [k for k, v in extents.items() if v is None])
             db.executemany("INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?)",
                            [(*k, *v) for k, v in extents.items() if v is not None])
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                           [(k, v) for k, v in meta.items() if v is not None])
+            db.executemany("DELETE FROM meta WHERE key=?",
+                           [(k,) for k, v in meta.items() if v is None])
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:

@@ -14,7 +14,7 @@ _O_NAMES = {
     "promote_after": "promote_after", "sequential_cutoff": "sequential_cutoff",
     "dirty_high": "dirty_high", "dirty_low": "dirty_low", "max_dirty_age": "max_dirty_age",
     "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
-    "eviction": "eviction",
+    "eviction": "eviction", "promote_all_below": "promote_all_below",
 }
 # mount(8) and systemd options that mean nothing to FUSE.
 _IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
@@ -30,6 +30,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-size", help="cache pool size, e.g. 512M or 20G "
                    "(default: leave the cache filesystem 10%% free)")
     p.add_argument("--promote-after", help="reads of an extent before it is cached (default 2)")
+    p.add_argument("--promote-all-below", metavar="PERCENT",
+                   help="while the pool is less full than this, every miss is cached at once, "
+                   "sequential streams too; --promote-after and --sequential-cutoff apply "
+                   "above it (default 90%%; 0 always applies them)")
     p.add_argument("--sequential-cutoff", help="sequential streams longer than this bypass "
                    "the cache (default 4M; 0 disables)")
     p.add_argument("--dirty-high", help="write-back: dirty data above which writers are slowed")
@@ -90,6 +94,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         kw["max_dirty_age_s"] = _number(values["max_dirty_age"], "--max-dirty-age")
     if "eviction" in values:
         kw["eviction"] = values["eviction"]
+    if "promote_all_below" in values:
+        kw["promote_all_below"] = _number(values["promote_all_below"].rstrip("%"),
+                                          "--promote-all-below") / 100
     if "attr_timeout" in values:
         t = _number(values["attr_timeout"], "--attr-timeout")
         kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
@@ -105,6 +112,7 @@ def config_to_argv(cfg: Config) -> list[str]:
     argv = ["mount", "-f", "--cache-dir", cfg.cache_dir, "--mode", cfg.mode,
             "--promote-after", str(cfg.promote_after),
             "--sequential-cutoff", str(cfg.sequential_cutoff),
+            "--promote-all-below", repr(cfg.promote_all_below * 100),
             "--max-dirty-age", repr(cfg.max_dirty_age_s),
             "--attr-timeout", repr(cfg.attr_timeout_s),
             "--backing-timeout", repr(cfg.backing_timeout_s), "--eviction", cfg.eviction]

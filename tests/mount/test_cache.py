@@ -51,7 +51,7 @@ def test_second_read_comes_from_ssd_also_after_remount(make_mount):
 
 
 def test_one_read_does_not_promote(make_mount):
-    m = make_mount("--promote-after", "2")
+    m = make_mount("--promote-after", "2", "--promote-all-below", "0")   # as when nearly full
     (m.backing / "once").write_bytes(os.urandom(1 << 20))
     read_blocks(m.path("once"), range(0, 1 << 20, 8192))
     time.sleep(0.3)
@@ -84,7 +84,8 @@ def test_usage_never_exceeds_small_cache_size(make_mount, eviction):
 
 
 def test_sequential_stream_bypasses_cache(make_mount):
-    m = make_mount("--sequential-cutoff", "1M", "--promote-after", "1")
+    m = make_mount("--sequential-cutoff", "1M", "--promote-after", "1",
+                   "--promote-all-below", "0")          # as when the pool is nearly full
     data = os.urandom(8 << 20)
     (m.backing / "stream").write_bytes(data)
     for _ in range(2):

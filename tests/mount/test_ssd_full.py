@@ -1,0 +1,100 @@
+"""A full cache filesystem degrades the cache, never the mount (issue 8, item 4): promotions
+stop, clean data is evicted, write-back writes go around the cache, metadata commits are
+retried, and no acknowledged byte is lost."""
+
+import errno
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import CTL, wait_until
+
+pytestmark = pytest.mark.fuse
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    where = tmp_path / "ssd"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill_up(path):
+    """Another tenant takes every free byte of the filesystem."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (MiB, 4096):
+            try:
+                while True:
+                    os.write(fd, bytes(size))
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def read_direct(path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        out = bytearray()
+        while True:
+            chunk = os.pread(fd, MiB, len(out))
+            if not chunk:
+                return bytes(out)
+            out += chunk
+    finally:
+        os.close(fd)
+
+
+def test_full_cache_filesystem_keeps_the_mount(make_mount, tiny_fs, mode):
+    m = make_mount("--mode", mode, "--cache-size", "24M", "--dirty-high", "8M",
+                   "--dirty-low", "4M", "--sequential-cutoff", "0")
+    m.stop()
+    m.cache = tiny_fs / "cache"
+    model = {name: bytearray(os.urandom(12 * MiB)) for name in ("a", "b")}
+    for name, data in model.items():
+        (m.backing / name).write_bytes(data)
+    m.start()
+    for _ in range(2):                                        # cached
+        assert read_direct(m.path("a")) == model["a"]
+    wait_until(lambda: m.stats()["extents_cached"] >= 150, 30, what="a cached")
+    fill_up(tiny_fs / "tenant")
+    # Promotions, write-back writes into new extents and commits all need space now.
+    assert m.path("b").read_bytes() == model["b"]
+    fd = os.open(m.path("c"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        model["c"] = bytearray()
+        for i in range(64):
+            block = os.urandom(64 * 1024)
+            os.pwrite(fd, block, i * 64 * 1024)
+            model["c"] += block
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with open(m.path("a"), "r+b") as f:                       # cached blocks, rewritten
+        for off in range(0, 12 * MiB, MiB):
+            f.seek(off + 100)
+            f.write(b"rewritten")
+            model["a"][off + 100:off + 109] = b"rewritten"
+    for name, data in model.items():
+        assert m.path(name).read_bytes() == data, name
+    s = m.stats()
+    assert s["cache_full_events"] > 0
+    assert m.proc.poll() is None                              # the daemon is alive
+    os.unlink(tiny_fs / "tenant")                             # the tenant goes away
+    if mode == "write-back":
+        out = subprocess.run([*CTL, "flush", str(m.mnt), "--timeout", "60"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    for name, data in model.items():
+        assert m.path(name).read_bytes() == data, name
+    m.stop()
+    for name, data in model.items():
+        assert (m.backing / name).read_bytes() == data, name
