@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ctl_drop, ctl_flush, env_long, env_seed, tree_view
+from tests.conftest import ctl_drop, ctl_flush, env_long, env_seed, tree_view, wait_until
 
 BLK = 4096
 NAMES = [f"f{i}" for i in range(5)]
@@ -448,6 +448,8 @@ def _run_round(target, seed: int, holder: list) -> str:
             t.join(delay)
             runner.stopping = True
             stop.set()
+            if not t.is_alive():
+                holder[1] = how = how + " (all operations had returned)"
             target.kill()
             t.join(60)
             assert not t.is_alive(), "the operations thread hangs after the kill"
@@ -583,4 +585,42 @@ def test_kill9_after_truncate_shows_a_state_the_file_had(make_mount):
     if backing != view:
         pytest.fail("BACKING after the flush differs from the view: " + describe_diff(
             view, backing, "view", "BACKING"))
+    m.start()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("still_open", [False, True], ids=["closed", "open"])
+def test_kill9_new_file_on_a_reused_inode_number_is_empty(make_mount, still_open):
+    """Found by the rounds above: a file with committed dirty data is unlinked (while open or
+    not), a new file gets its BACKING inode number, kill -9 before the next commit: the new
+    file must be what it is (empty), not the dead file's dirty data or size."""
+    m = make_mount("--mode", "write-back", "--attr-timeout", "0", "--max-dirty-age", "100")
+    old = os.urandom(13_608)
+    for attempt in range(20):
+        fd = os.open(m.path("a"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(fd, old, 0)
+        ino = os.fstat(fd).st_ino
+        commits = m.stats()["metadata_commits"]
+        wait_until(lambda: m.stats()["metadata_commits"] > commits, 5, what="a commit")
+        if not still_open:
+            os.close(fd)
+        os.unlink(m.path("a"))
+        if still_open:
+            os.close(fd)
+        fd = os.open(m.path("b"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+        if os.stat(m.backing / "b").st_ino == ino:
+            break
+        os.unlink(m.path("b"))
+    else:
+        pytest.skip("BACKING never reused the inode number")
+    m.kill()
+    m.start()
+    size, data = tree_view(m.mnt, direct=True)["b"]
+    if (size, data) != (0, b""):
+        pytest.fail(f"the new file b shows {size} bytes ({len(data)} read; the unlinked file "
+                    f"a's bytes: {data == old}), a file that was never written")
+    ctl_flush(m)
+    m.stop()
+    assert os.stat(m.backing / "b").st_size == 0, "the flush wrote a's dirty data into b"
     m.start()
