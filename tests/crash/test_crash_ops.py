@@ -619,7 +619,8 @@ def test_kill9_new_file_on_a_reused_inode_number_is_empty(make_mount, still_open
     size, data = tree_view(m.mnt, direct=True)["b"]
     if (size, data) != (0, b""):
         pytest.fail(f"the new file b shows {size} bytes ({len(data)} read; the unlinked file "
-                    f"a's bytes: {data == old}), a file that was never written")
+                    f"a's bytes: {data == old}, all zeros: {not data.strip(bytes(1))}), a state "
+                    f"the new file never had")
     ctl_flush(m)
     m.stop()
     assert os.stat(m.backing / "b").st_size == 0, "the flush wrote a's dirty data into b"
