@@ -206,3 +206,9 @@ def env_seed(default: int) -> int:
 def env_long() -> bool:
     """CACHEFS_LONG=1 selects the long variants of the randomized tests."""
     return os.environ.get("CACHEFS_LONG", "") not in ("", "0")
+
+
+def flush_all(m: Mount) -> None:
+    """`cachefs-ctl flush`, then no dirty byte is left."""
+    ctl_flush(m)
+    assert m.stats()["dirty_bytes"] == 0
