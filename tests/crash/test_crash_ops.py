@@ -28,7 +28,6 @@ of 10; CACHEFS_ROUNDS=N any number).
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import threading
@@ -129,9 +128,10 @@ class FileState:
             vs = self.versions(b)
             if not any(v[:len(got)] == got for v in vs):
                 what = "zeros" if not got.strip(b"\0") else "data"
+                now = "zeros" if not self.block(b).strip(b"\0") else "data"
                 errs.append(f"{name}: block {b} [{b * BLK}, +{len(got)}) holds {what} that "
                             f"is none of its {len(vs)} versions since the last fsync "
-                            f"(current: {'zeros' if not self.block(b).strip(bytes(1)) else 'data'})")
+                            f"(current: {now})")
                 if len(errs) > 12:
                     break
         return errs
