@@ -341,7 +341,7 @@ def test_random_operations_match_model(make_mount, mode, seed):
     m = make_mount("--mode", mode, "--cache-size", "1M", "--promote-after", "1",
                    "--sequential-cutoff", "512K", "--dirty-high", "256K", "--dirty-low", "128K",
                    "--max-dirty-age", "1")
-    seed = env_seed(0) * 1000 + seed
+    param, seed = seed, env_seed(0) * 1000 + seed
     model = Model(m.mnt, random.Random(seed))
     totals = {"hit_ops": 0, "promotions": 0, "destaged_bytes": 0, "throttled_writes": 0}
 
@@ -357,7 +357,8 @@ def test_random_operations_match_model(make_mount, mode, seed):
     try:
         run_model(model, 1500, checkpoint)
     except AssertionError as exc:
-        raise AssertionError(f"seed {seed} ({mode}): {exc}") from None
+        raise AssertionError(f"seed {seed} ({mode}; replay: CACHEFS_SEED={seed // 1000} and "
+                             f"the test parameter seed={param}): {exc}") from None
     add_stats()
     assert totals["hit_ops"] and totals["promotions"], totals   # the cache took part
     for op in ("xattr", "unlink", "rename", "write", "read"):
