@@ -155,3 +155,60 @@ def make_mount(tmp_path):
 @pytest.fixture
 def mounted(make_mount, mode):
     return make_mount("--mode", mode, "--attr-timeout", "0.2")
+
+
+# -- helpers shared by the model-checking tests (random operations, kill -9 rounds) ----------
+
+def ctl_flush(m: Mount, timeout_s: float = 60) -> dict:
+    """`cachefs-ctl flush`: destage every dirty byte; fails the test if the flush fails."""
+    out = subprocess.run([*CTL, "flush", str(m.mnt), "--json", "--timeout", str(timeout_s)],
+                         capture_output=True, text=True, timeout=timeout_s + 30)
+    assert out.returncode == 0, f"cachefs-ctl flush failed: {out.stdout[-2000:]}{out.stderr}"
+    return json.loads(out.stdout.splitlines()[-1]) if out.stdout.strip() else {}
+
+
+def ctl_drop(m: Mount) -> None:
+    """`cachefs-ctl drop`: evict clean cached data (the next reads and fills go to BACKING)."""
+    out = subprocess.run([*CTL, "drop", str(m.mnt), "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def read_file_view(path: str | Path, direct: bool = False) -> tuple[int, bytes]:
+    """(fstat size, every byte up to EOF) of a file; O_DIRECT bypasses the page cache, so
+    through a mount it shows what the daemon serves now."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        size = os.fstat(fd).st_size
+        parts, off = [], 0
+        while True:
+            chunk = os.pread(fd, 1 << 20, off)
+            if not chunk:
+                break
+            parts.append(chunk)
+            off += len(chunk)
+        return size, b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def tree_view(root: str | Path, direct: bool = False) -> dict[str, tuple[int, bytes]]:
+    """Every regular file directly under `root`: name -> (fstat size, bytes)."""
+    return {name: read_file_view(os.path.join(root, name), direct)
+            for name in sorted(os.listdir(root))}
+
+
+def env_seed(default: int) -> int:
+    """The base seed of a randomized test: CACHEFS_SEED if set (to reproduce a failure)."""
+    return int(os.environ.get("CACHEFS_SEED", default))
+
+
+def env_long() -> bool:
+    """CACHEFS_LONG=1 selects the long variants of the randomized tests."""
+    return os.environ.get("CACHEFS_LONG", "") not in ("", "0")
+
+
+def flush_all(m: Mount) -> None:
+    """`cachefs-ctl flush`, then no dirty byte is left."""
+    ctl_flush(m)
+    assert m.stats()["dirty_bytes"] == 0

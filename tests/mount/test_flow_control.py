@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
 from tests.conftest import wait_until  # noqa: E402
-from tests.mount.test_random_ops import flush  # noqa: E402
+from tests.conftest import flush_all as flush  # noqa: E402
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 MiB = 1 << 20

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.mount.test_random_ops import flush
+from tests.conftest import flush_all as flush
 
 pytestmark = pytest.mark.fuse
 
