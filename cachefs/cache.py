@@ -139,6 +139,7 @@ class Cache:
         self.nursery: trio.Nursery | None = None   # for read-ahead tasks (set by mount.py)
         self._ahead_inflight = 0                   # read-ahead reads in worker threads
         self._ahead_max = max(1, cfg.backing_threads * 3 // 4)   # leave threads for the rest
+        self.pins = None                           # warm.Warm: told of unlinks and renames
 
     # -- state -----------------------------------------------------------------------------
 
@@ -334,6 +335,8 @@ class Cache:
         return cf.size
 
     def renamed(self, ino: int, new_path: bytes) -> None:
+        if self.pins is not None:
+            self.pins.renamed(ino, new_path)
         cf = self.files.get(ino)
         if cf is not None and cf.dirty_exts:
             cf.path = new_path
@@ -361,6 +364,8 @@ class Cache:
 
     def last_link_removed(self, ino: int) -> None:
         """BACKING no longer has the file: its data goes now, or at the last release."""
+        if self.pins is not None:
+            self.pins.unlinked(ino)
         cf = self.files.get(ino)
         if cf is None:
             return
@@ -1016,15 +1021,40 @@ class Cache:
     # -- operator commands -------------------------------------------------------------------
 
     def drop_clean(self) -> int:
-        """Evict every clean extent (cachefs-ctl drop); returns how many."""
+        """Evict every clean extent not protected (pinned or being prefetched; cachefs-ctl
+        drop); returns how many."""
         n = 0
+        protected = self.pool.protected
         for cf in list(self.files.values()):
+            if cf.ino in protected:
+                continue
             cf.clobber(0, 1 << 62)
             for x in list(cf.extents.values()):
                 if not x.dirty:
                     self._evict(cf, x)
                     n += 1
         return n
+
+    # -- warming (cachefs/warm.py: prefetch and pins) ---------------------------------------
+
+    def file_state(self, ino: int) -> CachedFile:
+        """The cache state of inode `ino`, made if needed (revalidate it before use)."""
+        return self._file_for(ino)
+
+    def reserve(self, n: int) -> bool:
+        """Evict unprotected clean extents until `n` more fit; False if the rest of the pool
+        is dirty or protected (pinned, being prefetched)."""
+        return self._make_room(n)
+
+    def install_wanted(self, cf: CachedFile, e: int, chunk: bytes) -> bool:
+        """install() an extent an operator asked for: it joins the main queue at once, like
+        data known to be hot, rather than the probation queue of one-touch data."""
+        if not self.install(cf, e, chunk):
+            return False
+        x = cf.extents[e]
+        self.pool.remove(x)
+        self.pool.insert_main(x)
+        return True
 
     def status(self) -> dict:
         return {

@@ -18,6 +18,10 @@ COUNTERS = (
     "partial_block_fills",                 # write-back: sub-block writes that read BACKING
     "destage_ops", "destaged_bytes", "destage_errors",
     "throttled_writes", "throttle_delay_ns",   # flow control: writes slowed, delay added
+    "prefetched_bytes",                    # loaded by cachefs-ctl prefetch/pin and pin re-loads
+    "pin_reloads",                         # pinned files re-loaded after their data was dropped
+    "pins_lost",                           # pins removed because the file was unlinked or gone
+    "dropped_pinned",                      # pinned extents dropped by cachefs-ctl drop --pinned
 )
 
 
