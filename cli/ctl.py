@@ -241,7 +241,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
             extra = (f"; pinned {res['pinned_new']} files, {res['pinned_files']} in all "
                      f"({format_size(res['pinned_bytes'])} resident, limit "
                      f"{format_size(res['pinned_limit'])})" if args.command == "pin" else "")
-            print(f"{mnt}: {format_size(res['total_bytes'])} in {res['files']} files cached "
+            print(f"{mnt}: {format_size(res['total_bytes'])} in {res['files']} file(s) cached "
                   f"({format_size(res['loaded_bytes'])} loaded now){extra}")
     if args.json:
         print(json.dumps(answers[next(iter(answers))] if len(answers) == 1 else answers))

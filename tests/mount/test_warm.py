@@ -6,6 +6,7 @@ backing_read_ops."""
 import json
 import os
 import random
+import re
 import subprocess
 
 import pytest
@@ -294,3 +295,38 @@ def test_pin_follows_rename_through_the_mount(make_mount):
     assert_ssd_hits(m, "new", data)
     assert json.loads(ctl("unpin", m.path("new"), "--json", check=0).stdout)[
         "unpinned_files"] == 1
+
+
+def run_on_terminal(argv, cols=120):
+    """Run argv with stdout and stderr on a pseudo-terminal; returns (status, output)."""
+    import fcntl
+    import struct
+    import termios
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, cols, 0, 0))
+    proc = subprocess.Popen(argv, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:                      # EIO: the other side is closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    return proc.wait(timeout=60), out.decode(errors="replace")
+
+
+def test_prefetch_shows_progress_on_a_terminal_only(make_mount):
+    m = make_mount()
+    (m.backing / "f").write_bytes(os.urandom(8 * MiB))
+    rc, out = run_on_terminal([*CTL, "prefetch", str(m.path("f"))])
+    assert rc == 0, out
+    # bytes done/total [elapsed<ETA, rate]
+    assert re.search(r"prefetch: 100%\|.*\| 8\.00M/8\.00M \[[0-9:]+<00:00, *[0-9.]+[kMG]?B/s\]",
+                     out), out
+    ctl("drop", m.mnt, check=0)
+    out = ctl("prefetch", m.path("f"), check=0)                        # not a terminal
+    assert out.stderr == "" and "cached" in out.stdout
