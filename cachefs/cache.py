@@ -168,6 +168,7 @@ class Cache:
         self._shrink_at_s = -1e9
         self._ssd_warned_s = -1e9
         self._persist_warned_s = -1e9
+        self.pins = None                           # warm.Warm: told of unlinks and renames
 
     # -- state -----------------------------------------------------------------------------
 
@@ -451,6 +452,8 @@ class Cache:
         return cf.size
 
     def renamed(self, ino: int, new_path: bytes) -> None:
+        if self.pins is not None:
+            self.pins.renamed(ino, new_path)
         cf = self.files.get(ino)
         if cf is not None and cf.dirty_exts:
             cf.path = new_path
@@ -495,6 +498,8 @@ class Cache:
 
     def last_link_removed(self, ino: int) -> None:
         """BACKING no longer has the file: its data goes now, or at the last release."""
+        if self.pins is not None:
+            self.pins.unlinked(ino)
         cf = self.files.get(ino)
         if cf is None:
             return
@@ -1368,9 +1373,13 @@ class Cache:
     # -- operator commands -------------------------------------------------------------------
 
     def drop_clean(self) -> int:
-        """Evict every clean extent (cachefs-ctl drop); returns how many."""
+        """Evict every clean extent not protected (pinned or being prefetched; cachefs-ctl
+        drop); returns how many."""
         n = 0
+        protected = self.pool.protected
         for cf in list(self.files.values()):
+            if cf.ino in protected:
+                continue
             cf.clobber(0, 1 << 62)
             for x in list(cf.extents.values()):
                 if not x.dirty:
@@ -1379,6 +1388,27 @@ class Cache:
         self.stats.drop_operator += n
         log.info("dropped %d clean cached extents (reason: operator, cachefs-ctl drop)", n)
         return n
+
+    # -- warming (cachefs/warm.py: prefetch and pins) ---------------------------------------
+
+    def file_state(self, ino: int) -> CachedFile:
+        """The cache state of inode `ino`, made if needed (revalidate it before use)."""
+        return self._file_for(ino)
+
+    def reserve(self, n: int) -> bool:
+        """Evict unprotected clean extents until `n` more fit; False if the rest of the pool
+        is dirty or protected (pinned, being prefetched)."""
+        return self._make_room(n)
+
+    def install_wanted(self, cf: CachedFile, e: int, chunk: bytes) -> bool:
+        """install() an extent an operator asked for: it joins the main queue at once, like
+        data known to be hot, rather than the probation queue of one-touch data."""
+        if not self.install(cf, e, chunk):
+            return False
+        x = cf.extents[e]
+        self.pool.remove(x)
+        self.pool.insert_main(x)
+        return True
 
     def status(self) -> dict:
         return {

@@ -73,6 +73,7 @@ class Config:
     debug: bool = False
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted
+    max_pinned_pct: float = 50.0          # share of the pool `cachefs-ctl pin` may hold
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +86,8 @@ class Config:
                             f"{', '.join(EVICTIONS)}.")
         if not 0 <= self.promote_all_below <= 1:
             raise UserError("--promote-all-below must be a percentage from 0 to 100.")
+        if not 0 <= self.max_pinned_pct <= 90:
+            raise UserError("--max-pinned must be a share of the pool from 0% to 90%.")
         if self.promote_after < 1:
             raise UserError("--promote-after must be at least 1.")
         if self.sequential_cutoff < 0:
@@ -96,6 +99,15 @@ class Config:
             raise UserError("--max-dirty-age must be a positive number of seconds.")
         if self.attr_timeout_s < 0 or self.entry_timeout_s < 0 or self.backing_timeout_s <= 0:
             raise UserError("timeouts must be positive numbers of seconds.")
+
+
+def parse_share(text: str, what: str) -> float:
+    """Parse '50%' or '50' (percent of the pool) into a number of percent."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*%?\s*", str(text))
+    if not m:
+        raise UserError(f"{what} {text!r} is not a share of the pool (use a percentage, "
+                        "e.g. 50%).")
+    return float(m.group(1))
 
 
 def dirty_marks(cfg: Config, capacity: int) -> tuple[int, int]:

@@ -34,6 +34,7 @@ from .fs import Operations
 from .inodes import InodeTable
 from .stats import Stats
 from .store import MetadataStore
+from .warm import Warm
 
 log = logging.getLogger("cachefs")
 
@@ -231,6 +232,7 @@ class Daemon:
         self.clean_start = True
         self.cache: Cache | None = None
         self.ops: Operations | None = None
+        self.warm: Warm | None = None
 
     def open(self) -> None:
         root_st = os.stat(self.cfg.backing)
@@ -251,6 +253,9 @@ class Daemon:
                      format_size(self.cache.dirty_bytes()))
         inodes = InodeTable(self.cfg.backing, root_st)
         self.ops = Operations(self.cfg, self.cache, self.backing, inodes, self.control_path)
+        self.warm = Warm(self.cfg, self.cache, self.backing, self.store, self.stats, inodes)
+        self.warm.load()
+        self.cache.pins = self.warm
         log.info("cache %s: %s for %s, %d extents (%s) warm", self.cfg.cache_dir,
                  format_size(capacity * EXT_SIZE), self.cfg.backing, len(self.cache.pool),
                  format_size(self.cache.used_bytes()))
@@ -264,7 +269,7 @@ class Daemon:
         return {
             "backing": self.cfg.backing, "mountpoint": self.cfg.mountpoint,
             "cache_dir": self.cfg.cache_dir, "mode": self.cfg.mode, "pid": os.getpid(),
-            **self.cache.status(), **self.stats.snapshot(),
+            **self.cache.status(), **self.warm.status(), **self.stats.snapshot(),
             "dirty_high": d.high, "dirty_low": d.low, "throttling": d.throttling(),
             "destage_rate": round(d.rate), "eta_s": None if eta is None else round(eta, 1),
             "throttle_delay_s": round(self.stats.throttle_delay_ns / 1e9, 3),
@@ -304,9 +309,28 @@ class Daemon:
             d.force -= 1
 
     async def drop_cmd(self, request: dict, progress) -> dict:
+        """Evict clean data; pinned files keep theirs unless `pinned` (then pins go too)."""
+        pinned = 0
+        if request.get("pinned"):
+            pinned = self.warm.unpin_all("cachefs-ctl drop --pinned")
         n = self.cache.drop_clean()
+        if pinned:
+            self.stats.dropped_pinned += pinned
+        log.info("cachefs-ctl drop: %d clean extents dropped (%d of them pinned)%s", n,
+                 pinned, "" if request.get("pinned") else
+                 f"; {self.warm.status()['pinned_files']} pinned files keep their data")
         await self.cache.persist()
-        return {"dropped_extents": n, "dropped_bytes": n * EXT_SIZE}
+        return {"dropped_extents": n, "dropped_bytes": n * EXT_SIZE,
+                "dropped_pinned_extents": pinned, **self.warm.status()}
+
+    async def prefetch_cmd(self, request: dict, progress) -> dict:
+        return await self.warm.prefetch(_paths(request), progress)
+
+    async def pin_cmd(self, request: dict, progress) -> dict:
+        return await self.warm.pin(_paths(request), progress)
+
+    async def unpin_cmd(self, request: dict, progress) -> dict:
+        return await self.warm.unpin(_paths(request))
 
     async def pid_cmd(self, request: dict, progress) -> dict:
         return {"pid": os.getpid()}
@@ -314,7 +338,8 @@ class Daemon:
     async def serve(self, ready: Callable[[str | None], None]) -> None:
         control = ControlServer(self.control_path, {
             "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd,
-            "flush": self.flush_cmd})
+            "flush": self.flush_cmd, "prefetch": self.prefetch_cmd, "pin": self.pin_cmd,
+            "unpin": self.unpin_cmd})
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -325,6 +350,7 @@ class Daemon:
                 await nursery.start(self.ops.run_invalidator)
                 await nursery.start(self.ops.run_closer)
                 await nursery.start(self.cache.destager.run)
+                await nursery.start(self.warm.run)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
                 real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting
@@ -380,6 +406,13 @@ class Daemon:
                 log.info("signal %d: unmounting", signum)
                 pyfuse3.terminate()
                 return
+
+
+def _paths(request: dict) -> list[str]:
+    paths = request.get("paths")
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+        raise CommandFailed("give one or more paths under the mount.")
+    return paths
 
 
 def run(cfg: Config, ready: Callable[[str | None], None]) -> int:

@@ -9,6 +9,8 @@
   (10 % of the pool); those used again move to the main FIFO, the rest leave a ghost entry.
   The main FIFO gives used extents another round (a 2-bit frequency). Dirty extents are never
   chosen.
+- Both policies never choose an extent of a *protected* inode (pinned files, files being
+  prefetched; the set is kept by `cachefs/warm.py` through `protect`/`unprotect`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,13 @@ class S3Fifo:
         self._small: OrderedDict[tuple[int, int], Extent] = OrderedDict()
         self._main: OrderedDict[tuple[int, int], Extent] = OrderedDict()
         self._ghost: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.protected: set[int] = set()       # inodes whose extents are never chosen
+
+    def protect(self, ino: int) -> None:
+        self.protected.add(ino)
+
+    def unprotect(self, ino: int) -> None:
+        self.protected.discard(ino)
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
@@ -110,7 +119,7 @@ class S3Fifo:
                 if x.dirty:
                     self._small[key] = x
                     continue
-                if x.freq > 0:
+                if x.freq > 0 or x.ino in self.protected:
                     x.freq = 0
                     x.queue = MAIN
                     self._main[key] = x
@@ -122,7 +131,7 @@ class S3Fifo:
                 return x
             if self._main:
                 key, x = self._main.popitem(last=False)
-                if x.dirty or x.freq > 0:
+                if x.dirty or x.freq > 0 or x.ino in self.protected:
                     if x.freq > 0:
                         x.freq -= 1
                     self._main[key] = x
@@ -144,6 +153,13 @@ class Clock:
     def __init__(self, capacity_exts: int):
         self.capacity = capacity_exts
         self._q: OrderedDict[tuple[int, int], Extent] = OrderedDict()
+        self.protected: set[int] = set()       # inodes whose extents are never chosen
+
+    def protect(self, ino: int) -> None:
+        self.protected.add(ino)
+
+    def unprotect(self, ino: int) -> None:
+        self.protected.discard(ino)
 
     def __len__(self) -> int:
         return len(self._q)
@@ -167,7 +183,7 @@ class Clock:
             if not self._q:
                 return None
             key, x = self._q.popitem(last=False)
-            if x.dirty or x.freq > 0:
+            if x.dirty or x.freq > 0 or x.ino in self.protected:
                 x.freq = 0
                 self._q[key] = x
                 continue

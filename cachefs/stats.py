@@ -28,6 +28,10 @@ COUNTERS = (
     "drop_capacity",                       # beyond the pool size at mount
     "drop_operator",                       # cachefs-ctl drop
     "drop_cache_error",                    # the SSD failed a read or write of the extent
+    "prefetched_bytes",                    # loaded by cachefs-ctl prefetch/pin and pin re-loads
+    "pin_reloads",                         # pinned files re-loaded after their data was dropped
+    "pins_lost",                           # pins removed because the file was unlinked or gone
+    "dropped_pinned",                      # pinned extents dropped by cachefs-ctl drop --pinned
 )
 DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error")
 

@@ -16,7 +16,7 @@ import time
 
 from .errors import UserError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 
 # meta: key/value facts about this cache directory.
@@ -42,6 +42,14 @@ RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 #   ext          extent index: bytes [ext*64 KiB, (ext+1)*64 KiB)
 #   valid        bitmap of 4 KiB blocks holding BACKING's bytes (bit i = block i)
 #   dirty        bitmap of blocks newer than BACKING (write-back; 0 in write-through)
+# pins: one row per pinned BACKING file (`cachefs-ctl pin`; schema 3). Its extents are never
+#   evicted and are re-loaded when dropped; a row goes with `unpin`, `drop --pinned`, or when
+#   the file is unlinked or can no longer be found. Written at once (operator commands only).
+#   ino          BACKING st_ino of the pinned file
+#   path         its path relative to BACKING's root (bytes), as last seen; checked against
+#                ino before use, so a file put in its place is never pinned by mistake
+#   size         BACKING's size when last loaded: what the pin holds of the pool (rounded up
+#                to whole extents when counted against --max-pinned)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS files (
@@ -51,6 +59,8 @@ CREATE TABLE IF NOT EXISTS extents (
     ino INTEGER NOT NULL, ext INTEGER NOT NULL,
     valid INTEGER NOT NULL, dirty INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (ino, ext)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS pins (
+    ino INTEGER PRIMARY KEY, path BLOB NOT NULL, size INTEGER NOT NULL);
 """
 
 
@@ -89,6 +99,7 @@ class MetadataStore:
             if version == 1:
                 db.execute("ALTER TABLE files ADD COLUMN path BLOB")
                 db.execute("ALTER TABLE files ADD COLUMN lsize INTEGER")
+            # 2 -> 3: the pins table, created empty by _SCHEMA above.
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             meta = dict(db.execute("SELECT key, value FROM meta"))
         except sqlite3.DatabaseError as exc:
@@ -132,6 +143,33 @@ class MetadataStore:
                             "cache directory away to start a cold cache (dirty write-back "
                             "data in it needs recovery by hand).") from None
         return files, extents
+
+    # -- pins (operator commands: written at once, not batched) ---------------------------
+
+    def load_pins(self) -> list[tuple[int, bytes, int]]:
+        """Every pin: (ino, path relative to BACKING's root, size)."""
+        return [(ino, bytes(path), size) for ino, path, size in
+                self._db.execute("SELECT ino, path, size FROM pins")]
+
+    def set_pins(self, pins: list[tuple[int, bytes, int]]) -> None:
+        """Record (or update) pins (ino, path, size) in one transaction."""
+        self._write("INSERT OR REPLACE INTO pins VALUES (?, ?, ?)", pins)
+
+    def remove_pins(self, inos: list[int]) -> None:
+        self._write("DELETE FROM pins WHERE ino=?", [(ino,) for ino in inos])
+
+    def _write(self, sql: str, rows: list[tuple]) -> None:
+        if not rows:
+            return
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            db.executemany(sql, rows)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     # -- queueing (sync, cheap, called by the engine) ------------------------------------
 

@@ -1,9 +1,11 @@
-"""`cachefs-ctl stats|drop`: inspect and steer a running cachefs mount."""
+"""`cachefs-ctl stats|flush|drop|prefetch|pin|unpin`: inspect and steer a running cachefs
+mount."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -27,9 +29,17 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("mountpoint", metavar="MOUNTPOINT")
     f.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after SECONDS")
     f.add_argument("--json", action="store_true", help="machine-readable output, no bar")
-    d = sub.add_parser("drop", help="evict all clean cached data (a cold cache on demand)")
+    d = sub.add_parser("drop", help="evict all clean cached data (a cold cache on demand); "
+                       "pinned files keep theirs")
     d.add_argument("mountpoint", metavar="MOUNTPOINT")
+    d.add_argument("--pinned", action="store_true", help="drop pinned data too, and the pins")
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    for name, text in (("prefetch", "load files or directory trees into the cache now"),
+                       ("pin", "keep files or directory trees resident (and load them now)"),
+                       ("unpin", "let pinned files be evicted again")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("paths", metavar="PATH", nargs="+", help="a path under a cachefs mount")
+        c.add_argument("--json", action="store_true", help="machine-readable output, no bar")
     return p
 
 
@@ -40,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_stats(args)
         if args.command == "flush":
             return cmd_flush(args)
+        if args.command in ("prefetch", "pin", "unpin"):
+            return cmd_warm(args)
         return cmd_drop(args)
     except UserError as exc:
         print(f"cachefs-ctl: {exc}", file=sys.stderr)
@@ -79,6 +91,9 @@ def render(s: dict) -> str:
         ("promotions", f"{s['promotions']} (+{s['promotions_dropped']} dropped), "
                        f"evictions {s['evictions']}"),
         ("coherence", f"{s['stale_files']} files changed behind the cache"),
+        ("pinned", f"{s['pinned_files']} files, {format_size(s['pinned_bytes'])} resident "
+                   f"(limit {format_size(s['pinned_limit'])}); prefetched "
+                   f"{format_size(s['prefetched_bytes'])}"),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -139,13 +154,98 @@ def _writeback_rows(s: dict) -> list[tuple[str, str]]:
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
-    res = client.request(args.mountpoint, "drop", timeout_s=120)
+    res = client.request(args.mountpoint, "drop", timeout_s=120, pinned=args.pinned)
     if args.json:
         print(json.dumps(res))
-    else:
+    elif args.pinned:
         print(f"dropped {res['dropped_extents']} clean extents "
-              f"({format_size(res['dropped_bytes'])})")
+              f"({format_size(res['dropped_bytes'])}), {res['dropped_pinned_extents']} of them "
+              "pinned; nothing is pinned now")
+    else:
+        kept = (f"; {res['pinned_files']} pinned files keep "
+                f"{format_size(res['pinned_bytes'])} (drop --pinned drops them too)"
+                if res["pinned_files"] else "")
+        print(f"dropped {res['dropped_extents']} clean extents "
+              f"({format_size(res['dropped_bytes'])}){kept}")
     return 0
+
+
+def cachefs_mounts() -> list[str]:
+    """Mountpoints of FUSE filesystems (cachefs ones answer the control xattr)."""
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[2].startswith("fuse"):
+                out.append(_unescape(fields[1]))
+    return out
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def locate(paths: list[str]) -> dict[str, list[str]]:
+    """Group paths by the cachefs mount holding them: {mountpoint: [relative paths]}.
+    Raises UserError (exit 2) for a path that is missing or not under a cachefs mount."""
+    mounts = cachefs_mounts()
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        if not os.path.lexists(path):
+            raise UserError(f"{path} does not exist.")
+        real = os.path.realpath(path)
+        inside = [m for m in mounts if real == m or real.startswith(m.rstrip("/") + "/")]
+        mnt = max(inside, key=len, default=None)
+        if mnt is None:
+            raise UserError(f"{path} is not inside a cachefs mount (prefetch, pin and unpin "
+                            "take files or directories under a mountpoint).")
+        client.control_path(mnt)                 # a sentence if that FUSE mount is not ours
+        groups.setdefault(mnt, []).append(os.path.relpath(real, mnt))
+    return groups
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    """prefetch, pin, unpin: one request per mount; exit 0 only if everything was loaded."""
+    groups = locate(args.paths)
+    answers = {}
+    ok = True
+    for mnt, rels in groups.items():
+        bar = None
+
+        def on_progress(p: dict) -> None:
+            nonlocal bar
+            if bar is None:
+                bar = tqdm.tqdm(total=p["total_bytes"], unit="B", unit_scale=True,
+                                unit_divisor=1024, desc=args.command, file=sys.stderr,
+                                disable=args.json or not sys.stderr.isatty())
+            bar.total = p["total_bytes"]
+            bar.update(max(0, p["done_bytes"] - bar.n))
+
+        try:
+            res = client.request(mnt, args.command, timeout_s=None, on_progress=on_progress,
+                                 paths=rels)
+        finally:
+            if bar is not None:
+                bar.close()
+        res.pop("ok", None)
+        answers[mnt] = res
+        if args.command == "unpin":
+            if not args.json:
+                print(f"{mnt}: unpinned {res['unpinned_files']} files; "
+                      f"{res['pinned_files']} files stay pinned")
+            continue
+        if res["missing_bytes"] or res["errors"]:
+            ok = False
+            print(f"cachefs-ctl: {mnt}: {res['message']}", file=sys.stderr)
+        elif not args.json:
+            extra = (f"; pinned {res['pinned_new']} files, {res['pinned_files']} in all "
+                     f"({format_size(res['pinned_bytes'])} resident, limit "
+                     f"{format_size(res['pinned_limit'])})" if args.command == "pin" else "")
+            print(f"{mnt}: {format_size(res['total_bytes'])} in {res['files']} file(s) cached "
+                  f"({format_size(res['loaded_bytes'])} loaded now){extra}")
+    if args.json:
+        print(json.dumps(answers[next(iter(answers))] if len(answers) == 1 else answers))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cachefs.config import Config, default_cache_dir, parse_size
+from cachefs.config import Config, default_cache_dir, parse_share, parse_size
 from cachefs.errors import UserError
 
 # -o names understood by cachefs itself (fstab form); everything else goes to FUSE.
@@ -15,6 +15,7 @@ _O_NAMES = {
     "dirty_high": "dirty_high", "dirty_low": "dirty_low", "max_dirty_age": "max_dirty_age",
     "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
     "eviction": "eviction", "promote_all_below": "promote_all_below",
+    "eviction": "eviction", "max_pinned": "max_pinned",
 }
 # mount(8) and systemd options that mean nothing to FUSE.
 _IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
@@ -44,6 +45,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "with EIO (default 60)")
     p.add_argument("--eviction", help="eviction policy: s3-fifo (default) or clock "
                    "(an LRU approximation, for comparisons)")
+    p.add_argument("--max-pinned", help="share of the pool pinned files may hold "
+                   "(cachefs-ctl pin), e.g. 25%% (default 50%%)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
                    help="comma-separated cachefs (name=value) or FUSE mount options")
@@ -95,8 +98,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if "eviction" in values:
         kw["eviction"] = values["eviction"]
     if "promote_all_below" in values:
-        kw["promote_all_below"] = _number(values["promote_all_below"].rstrip("%"),
-                                          "--promote-all-below") / 100
+        kw["promote_all_below"] = parse_share(values["promote_all_below"],
+                                              "--promote-all-below") / 100
+    if "max_pinned" in values:
+        kw["max_pinned_pct"] = parse_share(values["max_pinned"], "--max-pinned")
     if "attr_timeout" in values:
         t = _number(values["attr_timeout"], "--attr-timeout")
         kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
@@ -115,7 +120,8 @@ def config_to_argv(cfg: Config) -> list[str]:
             "--promote-all-below", repr(cfg.promote_all_below * 100),
             "--max-dirty-age", repr(cfg.max_dirty_age_s),
             "--attr-timeout", repr(cfg.attr_timeout_s),
-            "--backing-timeout", repr(cfg.backing_timeout_s), "--eviction", cfg.eviction]
+            "--backing-timeout", repr(cfg.backing_timeout_s), "--eviction", cfg.eviction,
+            "--max-pinned", f"{cfg.max_pinned_pct:g}%"]
     if cfg.cache_size is not None:
         argv += ["--cache-size", str(cfg.cache_size)]
     if cfg.dirty_high is not None:

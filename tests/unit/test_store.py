@@ -50,3 +50,30 @@ def test_corrupt_database_is_a_sentence(tmp_path):
     (tmp_path / "cachefs.db").write_bytes(b"this is not a database" * 100)
     with pytest.raises(UserError, match="corrupt"):
         _open(tmp_path)
+
+
+def test_schema_2_migrates_to_3_with_pins(tmp_path):
+    import sqlite3
+    db = sqlite3.connect(tmp_path / "cachefs.db")          # a cache directory of schema 2
+    db.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE files (ino INTEGER PRIMARY KEY, size INTEGER NOT NULL,
+            mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, path BLOB, lsize INTEGER);
+        CREATE TABLE extents (ino INTEGER NOT NULL, ext INTEGER NOT NULL,
+            valid INTEGER NOT NULL, dirty INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (ino, ext)) WITHOUT ROWID;
+        INSERT INTO files VALUES (7, 100, 1, 2, X'61', 100);
+        INSERT INTO extents VALUES (7, 0, 1, 0);
+        PRAGMA user_version=2;
+    """)
+    db.close()
+    s = _open(tmp_path)
+    assert s._db.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert s.load() == ({7: (100, 1, 2, b"a", 100)}, [(7, 0, 1, 0)])
+    assert s.load_pins() == []
+    s.set_pins([(7, b"a", 100), (8, b"d/b", 5)])
+    s.set_pins([(7, b"renamed", 100)])
+    s.remove_pins([8])
+    s.close(clean=True)
+    s = _open(tmp_path)
+    assert s.load_pins() == [(7, b"renamed", 100)]

@@ -1,0 +1,611 @@
+"""Warming on purpose: `cachefs-ctl prefetch` (load files into the cache now) and
+`cachefs-ctl pin` / `unpin` (keep files resident).
+
+Owns the pins (in memory, and their rows in the store's `pins` table), the set of protected
+inodes the eviction policy never chooses from (pinned files, and files while a prefetch loads
+them: a prefetch never evicts what it has just loaded), the loading of BACKING files into the
+pool, and the keeper task that re-loads pinned data that is missing: dropped because BACKING
+changed behind the cache, or not there after a remount.
+
+Paths arrive from the control client relative to the mountpoint and are mapped to BACKING
+here; nothing here touches the mount itself (a stat through our own mount from the daemon
+would deadlock). BACKING is read only through `Backing` (threads, limiter, timeouts), in large
+reads; an extent goes into the pool only through `Cache.install_wanted`, which drops a chunk
+overtaken by a write or truncate (`CachedFile.fills` is set before the read, as read_miss
+does). Room is made only by evicting clean extents of unprotected files: when more would be
+needed, loading stops and the answer says what did not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import stat as stat_mod
+import time
+from typing import Awaitable, Callable
+
+import trio
+
+from . import backing as bk
+from .backing import Backing
+from .cache import Cache, identity
+from .config import EXT_SIZE, Config, format_size
+from .errors import CommandFailed
+from .extents import EXT_SHIFT, CachedFile
+from .inodes import InodeTable
+from .stats import Stats
+from .store import MetadataStore
+
+log = logging.getLogger("cachefs.warm")
+
+READ_EXTS = 32              # one BACKING read loads up to 2 MiB (32 extents)
+PARALLEL_READS = 4          # prefetch reads in flight at once (BACKING has 16 threads)
+FILES_AT_ONCE = 4           # files opened and loaded at once
+KEEP_INTERVAL_S = 0.5       # how often the keeper looks for missing pinned data (in memory)
+RETRY_S = 30.0              # a pin that could not be loaded is retried after this long
+REPORT_INTERVAL_S = 0.25    # progress lines to the client
+SHOWN = 10                  # files named in a sentence
+
+
+def _exts(size: int) -> int:
+    return (size + EXT_SIZE - 1) >> EXT_SHIFT
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def _pool_bytes(size: int) -> int:
+    """What a file of `size` bytes holds of the pool when fully cached."""
+    return _exts(size) * EXT_SIZE
+
+
+@dataclasses.dataclass
+class Pin:
+    ino: int
+    rel: bytes                  # path relative to BACKING's root, as last seen
+    size: int                   # BACKING's size when last loaded
+    retry_s: float = 0.0        # monotonic time before which the keeper leaves it alone
+
+
+@dataclasses.dataclass
+class Target:
+    rel: bytes
+    path: bytes                 # BACKING path
+    ino: int
+    size: int
+
+
+@dataclasses.dataclass
+class Job:
+    """Progress and outcome of one load (a prefetch, a pin, a keeper re-load)."""
+    total: int = 0              # bytes of every target file
+    cached: int = 0             # already valid in the cache
+    loaded: int = 0             # read from BACKING and installed now
+    missing: dict[bytes, int] = dataclasses.field(default_factory=dict)   # rel -> bytes
+    full: bool = False          # stopped: only pinned, dirty or just-loaded data is left
+    errors: list[str] = dataclasses.field(default_factory=list)
+    overtaken: set[bytes] = dataclasses.field(default_factory=set)   # rels written meanwhile
+    client_gone: bool = False
+
+    def miss(self, t: Target, nbytes: int) -> None:
+        self.missing[t.rel] = self.missing.get(t.rel, 0) + nbytes
+
+    def missing_bytes(self) -> int:
+        return sum(self.missing.values())
+
+    def done_bytes(self) -> int:
+        return self.cached + self.loaded + self.missing_bytes()
+
+
+def _open_fstat(path: bytes) -> tuple[int, os.stat_result]:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        return fd, os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class Warm:
+    """Prefetch, pins and the keeper of one mount."""
+
+    def __init__(self, cfg: Config, cache: Cache, backing: Backing, store: MetadataStore,
+                 stats: Stats, inodes: InodeTable):
+        self.cfg = cfg
+        self.cache = cache
+        self.backing = backing
+        self.store = store
+        self.stats = stats
+        self.inodes = inodes
+        self.root = os.fsencode(cfg.backing).rstrip(b"/") or b"/"
+        self.pins: dict[int, Pin] = {}
+        self._busy: dict[int, int] = {}          # ino -> loads in progress
+        self._reads = trio.CapacityLimiter(PARALLEL_READS)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Restore the pins recorded by earlier mounts; the keeper verifies them."""
+        for ino, rel, size in self.store.load_pins():
+            self.pins[ino] = Pin(ino, rel, size)
+            self.cache.pool.protect(ino)
+        if self.pins:
+            log.info("%d pinned files (%s) restored", len(self.pins),
+                     format_size(self.pinned_size()))
+
+    def _hold(self, ino: int) -> None:
+        self._busy[ino] = self._busy.get(ino, 0) + 1
+        self.cache.pool.protect(ino)
+
+    def _release(self, ino: int) -> None:
+        n = self._busy[ino] - 1
+        if n:
+            self._busy[ino] = n
+            return
+        del self._busy[ino]
+        if ino not in self.pins:
+            self.cache.pool.unprotect(ino)
+
+    def _unpin(self, inos: list[int]) -> None:
+        for ino in inos:
+            del self.pins[ino]
+            if ino not in self._busy:
+                self.cache.pool.unprotect(ino)
+        self.store.remove_pins(inos)
+
+    def pinned_size(self) -> int:
+        """Pool bytes the pins claim (whole extents of each pinned file's size)."""
+        total = 0
+        for pin in self.pins.values():
+            cf = self.cache.files.get(pin.ino)
+            size = cf.identity[1] if cf is not None and cf.identity else pin.size
+            total += _pool_bytes(max(size, pin.size))
+        return total
+
+    def limit_bytes(self) -> int:
+        """--max-pinned of the pool; in write-back never so much that pinned data and
+        --dirty-high together pass 90 % of the pool (writers would find no room)."""
+        cap = self.cache.capacity_exts * EXT_SIZE
+        limit = int(cap * self.cfg.max_pinned_pct / 100)
+        if self.cache.write_back and self.cfg.dirty_high is not None:
+            limit = min(limit, max(0, int(cap * 0.9) - self.cfg.dirty_high))
+        return limit
+
+    def status(self) -> dict:
+        resident = 0
+        for ino in self.pins:
+            cf = self.cache.files.get(ino)
+            if cf is not None:
+                resident += len(cf.extents)
+        return {"pinned_files": len(self.pins), "pinned_bytes": resident * EXT_SIZE,
+                "pinned_limit": self.limit_bytes()}
+
+    # -- engine hooks (sync) ----------------------------------------------------------------
+
+    def unlinked(self, ino: int) -> None:
+        """The last link of a BACKING file is gone: so is its pin."""
+        pin = self.pins.get(ino)
+        if pin is not None:
+            self._lose(pin, "was unlinked")
+
+    def renamed(self, ino: int, new_path: bytes) -> None:
+        pin = self.pins.get(ino)
+        rel = self._rel_of(new_path)
+        if pin is not None and rel is not None and rel != pin.rel:
+            pin.rel = rel
+            self.store.set_pins([(ino, rel, pin.size)])
+
+    def _lose(self, pin: Pin, why: str) -> None:
+        self.stats.pins_lost += 1
+        log.info("pinned file %s (BACKING inode %d) %s; its pin is removed",
+                 self._show(pin.rel), pin.ino, why)
+        self._unpin([pin.ino])
+
+    # -- paths -----------------------------------------------------------------------------
+
+    def _show(self, rel: bytes) -> str:
+        """How a user names the file: its path under the mountpoint."""
+        name = os.fsdecode(rel)
+        return self.cfg.mountpoint if name == "." else os.path.join(self.cfg.mountpoint, name)
+
+    def _rel_of(self, path: bytes) -> bytes | None:
+        if path == self.root:
+            return b"."
+        if path.startswith(self.root + b"/"):
+            return path[len(self.root) + 1:]
+        return None
+
+    def _backing_path(self, rel: str) -> tuple[bytes, bytes]:
+        """(rel, BACKING path) of a path relative to the mountpoint; CommandFailed if it
+        leaves the mount."""
+        relb = os.path.normpath(os.fsencode(rel))
+        if relb.startswith(b"/") or relb == b".." or relb.startswith(b"../"):
+            raise CommandFailed(f"{rel} is outside the mount {self.cfg.mountpoint}.")
+        return relb, self.root if relb == b"." else self.root + b"/" + relb
+
+    async def _scan(self, rels: list[str]) -> list[Target]:
+        """The regular files named by `rels` (files or directory trees), BACKING's view."""
+        found: dict[int, Target] = {}
+        for rel in rels:
+            relb, path = self._backing_path(rel)
+            try:
+                st = await self.backing.lstat(path)
+            except OSError as exc:
+                raise CommandFailed(f"cannot read {self._show(relb)} in BACKING: "
+                                    f"{exc.strerror or exc}.") from None
+            if stat_mod.S_ISREG(st.st_mode):
+                found.setdefault(st.st_ino, Target(relb, path, st.st_ino, st.st_size))
+            elif stat_mod.S_ISDIR(st.st_mode):
+                await self._walk(relb, path, found)
+            else:
+                raise CommandFailed(f"{self._show(relb)} is not a regular file or a directory.")
+        return list(found.values())
+
+    async def _walk(self, rel: bytes, path: bytes, found: dict[int, Target]) -> None:
+        todo = [(rel, path)]
+        while todo:
+            rel, path = todo.pop()
+            try:
+                entries = await self.backing.read_call("readdir", bk.scandir, path)
+            except OSError as exc:
+                raise CommandFailed(f"cannot list {self._show(rel)} in BACKING: "
+                                    f"{exc.strerror or exc}.") from None
+            for name, st in sorted(entries):
+                crel = name if rel == b"." else rel + b"/" + name
+                cpath = path + b"/" + name
+                if stat_mod.S_ISREG(st.st_mode):
+                    found.setdefault(st.st_ino, Target(crel, cpath, st.st_ino, st.st_size))
+                elif stat_mod.S_ISDIR(st.st_mode):
+                    todo.append((crel, cpath))
+
+    # -- commands --------------------------------------------------------------------------
+
+    async def prefetch(self, rels: list[str], progress: Callable[[dict], Awaitable[None]]
+                       ) -> dict:
+        """cachefs-ctl prefetch: load files now; evicts only unprotected clean data."""
+        targets = await self._scan(rels)
+        job = await self._load(targets, progress)
+        return self._answer(targets, job, "prefetch")
+
+    async def pin(self, rels: list[str], progress: Callable[[dict], Awaitable[None]]
+                  ) -> dict:
+        """cachefs-ctl pin: refuse beyond --max-pinned, record the pins, load the files."""
+        targets = await self._scan(rels)
+        new = [t for t in targets if t.ino not in self.pins]
+        need = sum(_pool_bytes(t.size) for t in new)
+        have = self.pinned_size()
+        limit = self.limit_bytes()
+        if have + need > limit:
+            cap = self.cache.capacity_exts * EXT_SIZE
+            raise CommandFailed(
+                f"refused: pinning {format_size(need)} more ({_files(len(new))}) would pin "
+                f"{format_size(have + need)}, more than the {format_size(limit)} allowed "
+                f"(--max-pinned {self.cfg.max_pinned_pct:g}% of the {format_size(cap)} pool"
+                + (", less --dirty-high" if limit < cap * self.cfg.max_pinned_pct / 100
+                   else "")
+                + f"); {format_size(have)} is pinned now. Unpin files or mount with a larger "
+                "--max-pinned or --cache-size.")
+        for t in new:
+            self.pins[t.ino] = Pin(t.ino, t.rel, t.size)
+            self.cache.pool.protect(t.ino)
+        self.store.set_pins([(t.ino, t.rel, t.size) for t in new])
+        if new:
+            log.info("pinned %s (%s): %s", _files(len(new)), format_size(need),
+                     ", ".join(self._show(t.rel) for t in new[:SHOWN])
+                     + (f" and {len(new) - SHOWN} more" if len(new) > SHOWN else ""))
+        job = await self._load(targets, progress)
+        self._note_sizes(targets)
+        answer = self._answer(targets, job, "pin")
+        answer.update(pinned_new=len(new), pinned_already=len(targets) - len(new),
+                      **self.status())
+        if job.missing_bytes():
+            answer["message"] += (" The pins are kept: what is missing is loaded in the "
+                                  "background when room frees up.")
+        return answer
+
+    async def unpin(self, rels: list[str]) -> dict:
+        """cachefs-ctl unpin: the files' data stays cached, but may be evicted again."""
+        gone: set[int] = set()
+        for rel in rels:
+            relb, _ = self._backing_path(rel)
+            for pin in self.pins.values():          # by the recorded path, even if gone
+                if relb == b"." or pin.rel == relb or pin.rel.startswith(relb + b"/"):
+                    gone.add(pin.ino)
+            try:
+                targets = await self._scan([rel])
+            except CommandFailed:
+                continue
+            gone.update(t.ino for t in targets if t.ino in self.pins)
+        gone = {ino for ino in gone if ino in self.pins}      # (a load may have ended)
+        names = [self._show(self.pins[ino].rel) for ino in gone]
+        self._unpin(sorted(gone))
+        if gone:
+            log.info("unpinned %d files: %s", len(gone), ", ".join(names[:SHOWN])
+                     + (f" and {len(gone) - SHOWN} more" if len(gone) > SHOWN else ""))
+        return {"unpinned_files": len(gone), **self.status()}
+
+    def unpin_all(self, why: str) -> int:
+        """Remove every pin (cachefs-ctl drop --pinned); returns the pinned extents."""
+        resident = self.status()["pinned_bytes"] // EXT_SIZE
+        if self.pins:
+            log.info("%s: removing %d pins (%d extents resident)", why, len(self.pins),
+                     resident)
+            self._unpin(list(self.pins))
+        return resident
+
+    def _note_sizes(self, targets: list[Target]) -> None:
+        changed = []
+        for t in targets:
+            pin = self.pins.get(t.ino)
+            if pin is not None and pin.size != t.size:
+                pin.size = t.size
+                changed.append((t.ino, pin.rel, t.size))
+        self.store.set_pins(changed)
+
+    def _answer(self, targets: list[Target], job: Job, what: str) -> dict:
+        missing = job.missing_bytes()
+        names = [self._show(rel) for rel in sorted(job.missing)]
+        errors = job.errors + [f"{self._show(rel)} changed while loading (written meanwhile)"
+                               for rel in sorted(job.overtaken)]
+        shown = ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more"
+                                            if len(names) > SHOWN else "")
+        if not missing and not errors:
+            message = (f"{what}: {format_size(job.total)} in {_files(len(targets))} cached "
+                       f"({format_size(job.loaded)} loaded now).")
+        elif job.full:
+            cap = self.cache.capacity_exts * EXT_SIZE
+            message = (f"{what}: {format_size(missing)} of {format_size(job.total)} did not "
+                       f"fit: the rest of the {format_size(cap)} pool holds pinned "
+                       f"({format_size(self.status()['pinned_bytes'])}), dirty "
+                       f"({format_size(self.cache.dirty_bytes())}) and just loaded data, "
+                       f"which {what} never evicts; not loaded: {shown}.")
+        else:
+            message = (f"{what}: {format_size(missing)} of {format_size(job.total)} not "
+                       f"loaded ({shown}): " + "; ".join(errors[:SHOWN]) + ".")
+        return {"files": len(targets), "total_bytes": job.total, "cached_bytes": job.cached,
+                "loaded_bytes": job.loaded, "missing_bytes": missing,
+                "not_loaded": names, "errors": errors, "full": job.full,
+                "message": message}
+
+    # -- loading ---------------------------------------------------------------------------
+
+    async def _load(self, targets: list[Target],
+                    progress: Callable[[dict], Awaitable[None]] | None) -> Job:
+        """Load every target; files and reads in parallel (bounded). Its files are
+        protected from eviction meanwhile."""
+        job = Job(total=sum(t.size for t in targets))
+        for t in targets:
+            self._hold(t.ino)
+        try:
+            async with trio.open_nursery() as outer:
+                if progress is not None:
+                    outer.start_soon(self._report, job, progress, outer.cancel_scope)
+                send, recv = trio.open_memory_channel[Target](0)
+                async with trio.open_nursery() as workers:
+                    for _ in range(FILES_AT_ONCE):
+                        workers.start_soon(self._worker, recv.clone(), job)
+                    await recv.aclose()
+                    async with send:
+                        for t in targets:
+                            await send.send(t)
+                outer.cancel_scope.cancel()
+        finally:
+            for t in targets:
+                self._release(t.ino)
+        if job.client_gone:
+            raise trio.BrokenResourceError("the control client went away")
+        if progress is not None:
+            try:
+                await progress({"total_bytes": job.total, "done_bytes": job.done_bytes()})
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise trio.BrokenResourceError("the control client went away") from None
+        return job
+
+    async def _report(self, job: Job, progress: Callable[[dict], Awaitable[None]],
+                      scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                await progress({"total_bytes": job.total, "done_bytes": job.done_bytes()})
+                await trio.sleep(REPORT_INTERVAL_S)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            job.client_gone = True                  # Ctrl-C: stop loading
+            scope.cancel()
+
+    async def _worker(self, recv: trio.MemoryReceiveChannel, job: Job) -> None:
+        async with recv:
+            async for t in recv:
+                if job.full:
+                    job.miss(t, t.size)
+                else:
+                    await self._load_file(t, job)
+
+    async def _load_file(self, t: Target, job: Job) -> None:
+        """Open and revalidate one file against BACKING, then load its missing extents."""
+        cache = self.cache
+        token = cache.stat_token(t.ino)
+        try:
+            fd, st = await self.backing.read_call("open", _open_fstat, t.path)
+        except OSError as exc:
+            job.errors.append(f"{self._show(t.rel)}: {exc.strerror or exc}")
+            job.miss(t, t.size)
+            return
+        try:
+            if st.st_ino != t.ino or not stat_mod.S_ISREG(st.st_mode):
+                job.errors.append(f"{self._show(t.rel)}: replaced while loading")
+                job.miss(t, t.size)
+                return
+            job.total += st.st_size - t.size
+            t.size = size = st.st_size
+            cf = cache.file_state(t.ino)
+            if cf.identity is None:
+                cache.revalidate(cf, st, token)
+            else:                   # drops stale data (and the kernel's pages) if changed
+                cache.attributes_seen(t.ino, st, token)
+            cf.path = t.path
+            runs: list[list[int]] = []
+            for e in range(_exts(size)):
+                base = e << EXT_SHIFT
+                end = min(size, base + EXT_SIZE)
+                if cf.all_valid(base, end):
+                    job.cached += end - base
+                elif runs and runs[-1][-1] == e - 1 and len(runs[-1]) < READ_EXTS:
+                    runs[-1].append(e)
+                else:
+                    runs.append([e])
+            async with trio.open_nursery() as nursery:
+                for run in runs:
+                    nursery.start_soon(self._load_run, cf, st, fd, run, t, job)
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.backing.write_call(os.close, fd)
+                except OSError:
+                    pass                            # read-only: nothing was to be flushed
+
+    async def _load_run(self, cf: CachedFile, st: os.stat_result, fd: int, run: list[int],
+                        t: Target, job: Job) -> None:
+        """One large BACKING read of consecutive extents, installed one by one."""
+        size = t.size
+
+        def nbytes(e: int) -> int:
+            return max(0, min(size, (e + 1) << EXT_SHIFT) - (e << EXT_SHIFT))
+
+        async with self._reads:
+            if job.full:
+                job.miss(t, sum(nbytes(e) for e in run))
+                return
+            cache = self.cache
+            if cache.files.get(t.ino) is not cf:    # forgotten meanwhile (no data, unused)
+                cf = cache.file_state(t.ino)
+                if cf.identity is None:
+                    cache.revalidate(cf, st)
+                elif cf.identity != identity(st):   # and opened again, with newer data
+                    job.miss(t, sum(nbytes(e) for e in run))
+                    job.overtaken.add(t.rel)
+                    return
+            exts = []
+            for e in run:
+                if e in cf.fills:           # a promotion is loading it already
+                    job.cached += nbytes(e)
+                else:
+                    exts.append(e)
+            if not exts:
+                return
+            if not cache.reserve(sum(1 for e in exts if e not in cf.extents)):
+                job.full = True
+                job.miss(t, sum(nbytes(e) for e in exts))
+                return
+            for e in exts:
+                cf.fills[e] = False             # a write or truncate from now on overtakes us
+            start = exts[0] << EXT_SHIFT
+            try:
+                data = await self.backing.pread(fd, min(size, (exts[-1] + 1) << EXT_SHIFT)
+                                                - start, start)
+            except BaseException as exc:
+                for e in exts:
+                    cf.fills.pop(e, None)
+                if not isinstance(exc, OSError):
+                    raise
+                self.stats.backing_errors += 1
+                job.errors.append(f"{self._show(t.rel)}: {exc.strerror or exc}")
+                job.miss(t, sum(nbytes(e) for e in exts))
+                return
+        self.stats.backing_read_ops += 1
+        self.stats.backing_read_bytes += len(data)
+        for e in exts:
+            lo = (e << EXT_SHIFT) - start
+            chunk = data[lo:lo + EXT_SIZE]
+            if not chunk:                       # BACKING is shorter now
+                cf.fills.pop(e, None)
+                continue
+            if e not in cf.extents and not cache.reserve(1):
+                cf.fills.pop(e, None)
+                job.full = True
+                job.miss(t, len(chunk))
+                continue
+            if cache.install_wanted(cf, e, chunk):
+                job.loaded += len(chunk)
+                self.stats.prefetched_bytes += len(chunk)
+            else:                               # overtaken by a write, or the SSD failed
+                job.miss(t, len(chunk))
+                job.overtaken.add(t.rel)
+
+    # -- the keeper --------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Verify the pins once (after a remount: still the same files, data resident),
+        then re-load pinned data whenever some is missing (dropped for coherence) - in the
+        background, within KEEP_INTERVAL_S of the drop being noticed."""
+        task_status.started()
+        first = True
+        while True:
+            for pin in list(self.pins.values()):
+                if self.pins.get(pin.ino) is pin and (first or self._short(pin)):
+                    await self._reload(pin, first)
+            first = False
+            await trio.sleep(KEEP_INTERVAL_S)
+
+    def _short(self, pin: Pin) -> bool:
+        """In memory only (no BACKING call): does the pinned file lack extents?"""
+        if time.monotonic() < pin.retry_s or pin.ino in self._busy:
+            return False
+        cf = self.cache.files.get(pin.ino)
+        if cf is None:
+            return pin.size > 0
+        if cf.doomed:
+            return False
+        size = cf.identity[1] if cf.identity else pin.size
+        return len(cf.extents) < _exts(size)
+
+    async def _reload(self, pin: Pin, verify: bool) -> None:
+        path = await self._resolve(pin)
+        if path is None:
+            return
+        t = Target(pin.rel, path, pin.ino, pin.size)
+        try:
+            job = await self._load([t], None)
+        except trio.BrokenResourceError:        # (no client: cannot happen)
+            return
+        self._note_sizes([t])
+        if job.loaded:
+            self.stats.pin_reloads += 1
+            log.info("pinned file %s: %s re-loaded from BACKING (its cached data had been "
+                     "dropped%s)", self._show(pin.rel), format_size(job.loaded),
+                     " or was missing after the remount" if verify else "")
+        if job.missing_bytes():
+            pin.retry_s = time.monotonic() + RETRY_S
+            (log.warning if job.full or job.errors else log.info)("pinned file %s: %s could not be loaded (%s); retrying in %g s",
+                        self._show(pin.rel), format_size(job.missing_bytes()),
+                        "; ".join(job.errors) or ("no room: the pool holds only pinned, "
+                        "dirty or loading data" if job.full else "written meanwhile"), RETRY_S)
+
+    async def _resolve(self, pin: Pin) -> bytes | None:
+        """The BACKING path of a pinned inode: its recorded path, or the one the mount knows
+        it by now. No path: the file is gone and loses its pin."""
+        candidates = [self.root + b"/" + pin.rel]
+        try:
+            candidates.append(self.inodes.path(pin.ino))
+        except OSError:
+            pass
+        cf = self.cache.files.get(pin.ino)
+        if cf is not None and cf.path:
+            candidates.append(cf.path)
+        for path in dict.fromkeys(candidates):
+            try:
+                st = await self.backing.lstat(path)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                    continue
+                pin.retry_s = time.monotonic() + RETRY_S       # BACKING trouble: later
+                return None
+            if self.pins.get(pin.ino) is not pin:
+                return None                                  # unpinned meanwhile
+            if st.st_ino == pin.ino and stat_mod.S_ISREG(st.st_mode):
+                self.renamed(pin.ino, path)
+                return path
+        if self.pins.get(pin.ino) is pin:
+            self._lose(pin, "no longer exists in BACKING (removed or replaced)")
+        return None
