@@ -401,8 +401,8 @@ class Cache:
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
         token = self.stat_token(ino)
         want_direct = not self.write_back and flags & os.O_ACCMODE != os.O_RDONLY
-        fd, st, dfd = await self.backing.read_call("open", _open_fstat, path, bflags,
-                                                   want_direct)
+        fd, st, dfd = await self.backing.read_call("open", _open_fstat, self.backing.root_fd,
+                                                   path, bflags, want_direct)
         cf = self._file_for(ino)
         unchanged = self.revalidate(cf, st, token)
         cf.path = path
@@ -433,7 +433,8 @@ class Cache:
                      ) -> tuple[OpenFile, os.stat_result]:
         """Create and open a BACKING file owned by uid/gid; `remember` names its inode."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | (flags & os.O_EXCL) | os.O_CLOEXEC
-        fd, st = await self.backing.write_call(bk.create, path, bflags, mode, uid, gid, parent)
+        fd, st = await self.backing.write_call(bk.create, self.backing.root_fd, path, bflags,
+                                               mode, uid, gid, parent)
         ino = remember(st)
         cf = self._file_for(ino)
         self.revalidate(cf, st)
@@ -883,7 +884,8 @@ class Cache:
         """Change a file's size in BACKING, dropping cached blocks past the new end."""
         cf = self.files.get(ino)
         if cf is None:
-            return await self.backing.write_call(_truncate_stat, path, fd, size)
+            return await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+                                                 fd, size)
         async with self.file_lock(cf):
             return await self._truncate_locked(cf, size, path, fd)
 
@@ -922,7 +924,8 @@ class Cache:
             await self.persist(durable=True)
         cf.writes_inflight += 1
         try:
-            st = await self.backing.write_call(_truncate_stat, path, fd, size)
+            st = await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+                                               fd, size)
         finally:
             cf.writes_inflight -= 1
             # Fills that read the old contents during the call may have been installed.
@@ -1095,22 +1098,14 @@ class Cache:
                 os.close(fd)
 
 
-def _open_fstat(path: bytes, flags: int, want_direct: bool
+def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool
                 ) -> tuple[int, os.stat_result, int]:
-    fd = os.open(path, flags)
+    fd = bk.open_at(root, path, flags)
     try:
         return fd, os.fstat(fd), aio.open_direct(fd) if want_direct else -1
     except BaseException:
         os.close(fd)
         raise
-
-
-def _truncate_stat(path: bytes, fd: int | None, size: int) -> os.stat_result:
-    if fd is not None:
-        os.ftruncate(fd, size)
-        return os.fstat(fd)
-    os.truncate(path, size)
-    return os.stat(path)
 
 
 def _fdatasync_paths(paths: list[str]) -> None:
