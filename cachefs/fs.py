@@ -62,7 +62,7 @@ class Operations(pyfuse3.Operations):
         self._control_path = os.fsencode(control_path)
         self._open: dict[int, OpenFile] = {}
         self._handles: dict[int, list[OpenFile]] = {}        # ino -> its open handles
-        self._dirs: dict[int, tuple[int, list]] = {}
+        self._dirs: dict[int, tuple[int, list]] = {}      # fh -> (inode, entries)
         self._next_fh = 1
         self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
         self._root = backing.root_fd
@@ -431,17 +431,24 @@ class Operations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode, ctx):
-        path = self._path(inode)
-        try:
-            entries = await self._backing.read_call("readdir", bk.scandir, self._root, path)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        self._path(inode)                       # ENOENT for a directory no longer known
         fh = self._fh()
-        self._dirs[fh] = (inode, entries)
+        self._dirs[fh] = (inode, [])
         return fh
 
     async def readdir(self, fh, start_id, token):
         parent, entries = self._dirs[fh]
+        if start_id == 0:
+            # Listed from the start (first read, or after rewinddir): the entries as they are
+            # now, as on a plain directory; later reads continue this snapshot.
+            try:
+                entries = await self._backing.read_call(
+                    "readdir", bk.scandir, self._root, self._inodes.path(parent))
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise to_fuse_error(exc) from None
+                entries = []                    # removed meanwhile: empty, as on Linux
+            self._dirs[fh] = (parent, entries)
         for i in range(start_id, len(entries)):
             name, st = entries[i]
             ino = self._inodes.ino_of(st)
@@ -453,7 +460,7 @@ class Operations(pyfuse3.Operations):
         self._dirs.pop(fh, None)
 
     async def fsyncdir(self, fh, datasync):
-        inode, _ = self._dirs[fh]
+        inode = self._dirs[fh][0]
         try:
             await self._backing.write_call(bk.fsync_path, self._root, self._path(inode),
                                            datasync)
