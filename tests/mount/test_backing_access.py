@@ -154,25 +154,6 @@ def test_open_close_churn_keeps_descriptors_bounded(make_mount):
     assert_clean_log(m.logs[-1])
 
 
-def test_aborted_fuse_connection_ends_the_daemon_cleanly(make_mount):
-    """A connection aborted through fusectl makes the kernel answer ECONNABORTED (if the file
-    system asked for abort errors) or ENODEV: the daemon persists and exits 0 either way."""
-    m = make_mount("--mode", "write-back")
-    m.path("f").write_bytes(b"data")
-    dev = os.stat(m.mnt).st_dev
-    abort = f"/sys/fs/fuse/connections/{os.minor(dev)}/abort"
-    if not os.path.exists(abort):
-        pytest.skip("fusectl is not mounted")
-    with open(abort, "w") as f:
-        f.write("1")
-    rc = m.proc.wait(timeout=30)
-    log = m.logs[-1]
-    m.proc = None
-    subprocess.run(["fusermount3", "-u", "-z", str(m.mnt)], capture_output=True)
-    assert rc == 0, log.read_text()[-3000:]
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
-
-
 # -- item 11: paths longer than BACKING allows ------------------------------------------------
 
 def long_backing(tmp_path):
