@@ -229,16 +229,20 @@ def rename(root: int, old: bytes, new: bytes, flags: int
 
 
 def setattr(root: int, path: bytes, fd: int | None, mode: int | None, uid: int, gid: int,
-            times: tuple[int | None, int | None] | None) -> os.stat_result:
-    """chmod/chown/utimens in one thread call (size changes go through the engine)."""
+            times: tuple[int | None, int | None] | None, touch: bool = False
+            ) -> os.stat_result:
+    """chmod/chown/utimens in one thread call (size changes go through the engine);
+    `touch`: nothing to change, but the ctime changes, as chown(-1, -1) does."""
+    if touch:
+        uid = gid = -1
     if fd is not None:
-        return _setattr_fd(fd, mode, uid, gid, times)
+        return _setattr_fd(fd, mode, uid, gid, times, touch)
     with at(root, path) as (dfd, r):
         st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
         is_link = (st.st_mode & 0o170000) == 0o120000
         if mode is not None and not is_link:
             os.chmod(r, mode, dir_fd=dfd)
-        if uid != -1 or gid != -1:
+        if uid != -1 or gid != -1 or touch:
             os.chown(r, uid, gid, dir_fd=dfd, follow_symlinks=False)
         if times is not None:
             os.utime(r, ns=_times_ns(st, times), dir_fd=dfd, follow_symlinks=False)
@@ -246,11 +250,11 @@ def setattr(root: int, path: bytes, fd: int | None, mode: int | None, uid: int, 
 
 
 def _setattr_fd(fd: int, mode: int | None, uid: int, gid: int,
-                times: tuple[int | None, int | None] | None) -> os.stat_result:
+                times: tuple[int | None, int | None] | None, touch: bool) -> os.stat_result:
     st = os.fstat(fd)
     if mode is not None:
         os.fchmod(fd, mode)
-    if uid != -1 or gid != -1:
+    if uid != -1 or gid != -1 or touch:
         os.fchown(fd, uid, gid)
     if times is not None:
         os.utime(fd, ns=_times_ns(st, times))

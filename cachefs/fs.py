@@ -267,8 +267,12 @@ class Operations(pyfuse3.Operations):
             if fields.update_atime or fields.update_mtime:
                 times = (attr.st_atime_ns if fields.update_atime else None,
                          attr.st_mtime_ns if fields.update_mtime else None)
+            # chown(f, -1, -1) reaches us with nothing to change, but it changes the ctime
+            # on Linux: BACKING gets the same call.
+            touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
+                         or times is not None)
             st = await self._backing.write_call(bk.setattr, self._root, path, fd, mode, uid,
-                                                gid, times)
+                                                gid, times, touch)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.own_metadata_change(inode, st)
