@@ -222,7 +222,7 @@ class Cache:
         """After a crash during an unlink: does BACKING still have this very file (same
         inode at its path, with the identity recorded right before the unlink)?"""
         try:
-            st = os.lstat(cf.path) if cf.path else None
+            st = bk.lstat(self.backing.root_fd, cf.path) if cf.path else None
         except OSError:
             return False
         return st is not None and identity(st) == cf.identity
@@ -541,20 +541,21 @@ class Cache:
         token = self.stat_token(ino)
         want_direct = not self.write_back and flags & os.O_ACCMODE != os.O_RDONLY
         readable = True
+        opened = None
         if self.write_back and flags & os.O_ACCMODE == os.O_WRONLY:
             # A sub-block write-back write into a block not cached reads BACKING's bytes
             # of that block: open BACKING read-write if BACKING lets us (else such writes
             # go around the cache, see _write_around).
             try:
-                fd, st, dfd = await self.backing.read_call(
-                    "open", _open_fstat, path, (bflags & ~os.O_ACCMODE) | os.O_RDWR, False)
+                opened = await self.backing.read_call(
+                    "open", _open_fstat, self.backing.root_fd, path,
+                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, False)
             except PermissionError:
                 readable = False
-            else:
-                bflags = -1
-        if bflags != -1:
-            fd, st, dfd = await self.backing.read_call("open", _open_fstat, path, bflags,
-                                                       want_direct)
+        if opened is None:
+            opened = await self.backing.read_call("open", _open_fstat, self.backing.root_fd,
+                                                  path, bflags, want_direct)
+        fd, st, dfd = opened
         cf = self._file_for(ino)
         unchanged = self.revalidate(cf, st, token)
         cf.path = path
@@ -591,14 +592,14 @@ class Cache:
         if self.write_back and not readable:
             try:                # as in open(): fills of sub-block writes read through it
                 opened = await self.backing.write_call(
-                    bk.create, path, (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid,
-                    parent)
+                    bk.create, self.backing.root_fd, path,
+                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid, parent)
                 readable = True
             except PermissionError:
                 pass
         if opened is None:
-            opened = await self.backing.write_call(bk.create, path, bflags, mode, uid, gid,
-                                                   parent)
+            opened = await self.backing.write_call(bk.create, self.backing.root_fd, path,
+                                                   bflags, mode, uid, gid, parent)
         fd, st = opened
         ino = remember(st)
         cf = self._file_for(ino)
@@ -1176,7 +1177,8 @@ class Cache:
         """Change a file's size in BACKING, dropping cached blocks past the new end."""
         cf = self.files.get(ino)
         if cf is None:
-            return await self.backing.write_call(_truncate_stat, path, fd, size)
+            return await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+                                                 fd, size)
         async with self.file_lock(cf):
             return await self._truncate_locked(cf, size, path, fd)
 
@@ -1219,7 +1221,8 @@ class Cache:
             await self.persist(durable=True)
         cf.writes_inflight += 1
         try:
-            st = await self.backing.write_call(_truncate_stat, path, fd, size)
+            st = await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+                                               fd, size)
         finally:
             cf.writes_inflight -= 1
             # Fills that read the old contents during the call may have been installed.
@@ -1525,22 +1528,14 @@ class Cache:
                 os.close(fd)
 
 
-def _open_fstat(path: bytes, flags: int, want_direct: bool
+def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool
                 ) -> tuple[int, os.stat_result, int]:
-    fd = os.open(path, flags)
+    fd = bk.open_at(root, path, flags)
     try:
         return fd, os.fstat(fd), aio.open_direct(fd) if want_direct else -1
     except BaseException:
         os.close(fd)
         raise
-
-
-def _truncate_stat(path: bytes, fd: int | None, size: int) -> os.stat_result:
-    if fd is not None:
-        os.ftruncate(fd, size)
-        return os.fstat(fd)
-    os.truncate(path, size)
-    return os.stat(path)
 
 
 def _fdatasync_paths(paths: list[str]) -> None:

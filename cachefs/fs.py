@@ -3,14 +3,25 @@
 Owns request translation and the single errno mapping: the only place that raises FUSEError.
 Never runs SQL or touches extent state; BACKING syscalls run through `Backing` (threads with
 a limiter and timeouts), cache data through `Cache`.
+
+Also owns the life of the BACKING descriptors of open handles once released: a request that
+borrows a handle's descriptor (getattr, setattr, xattrs of an open unlinked file) holds it
+(`_borrow`), and a released descriptor is closed only when no borrower uses it any more, so
+no descriptor is used after, or while, it is closed (its number would name another file).
+Released descriptors are closed in batches by several closer tasks, and open() waits while
+too many closes are pending, so descriptors never pile up under open/close churn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import math
 import os
+import resource
 import stat as stat_mod
+from typing import Iterator
 
 import pyfuse3
 import trio
@@ -20,12 +31,17 @@ from . import backing as bk
 from .backing import Backing
 from .cache import Cache, OpenFile
 from .config import Config
+from .errors import BackingTimeout
 from .inodes import ROOT_INODE, InodeTable
 
 log = logging.getLogger("cachefs.fs")
 
 CONTROL_XATTR = b"user.cachefs.control"
 BLKSIZE = 128 * 1024
+CLOSERS = 4                 # closer tasks (each closes a batch of fds in one thread call)
+CLOSE_BATCH = 256           # fds closed by one thread call at most
+MAX_PENDING_CLOSES = 1024   # open() and create() wait while more fds wait to be closed
+FD_RESERVE = 256            # descriptors kept for the daemon's own work (cache, SQLite, ...)
 
 
 def to_fuse_error(exc: OSError) -> FUSEError:
@@ -46,10 +62,20 @@ class Operations(pyfuse3.Operations):
         self._control_path = os.fsencode(control_path)
         self._open: dict[int, OpenFile] = {}
         self._handles: dict[int, list[OpenFile]] = {}        # ino -> its open handles
-        self._dirs: dict[int, tuple[int, list]] = {}
+        self._dirs: dict[int, tuple[int, list]] = {}      # fh -> (inode, entries)
         self._next_fh = 1
         self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
-        self._close_send, self._close_recv = trio.open_memory_channel(4096)
+        self._root = backing.root_fd
+        # Released BACKING fds: queued for the closers; the queue is unbounded, but open()
+        # waits while more than MAX_PENDING_CLOSES are queued or being closed.
+        self._close_send, self._close_recv = trio.open_memory_channel(math.inf)
+        self._closes_pending = 0
+        self._close_progress = trio.Event()       # set (and replaced) when a batch closed
+        self._borrowed: dict[int, int] = {}       # BACKING fd -> requests using it now
+        self._retired: set[int] = set()           # released while borrowed: the last closes
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._handle_budget = (max(soft - FD_RESERVE, 64) if soft != resource.RLIM_INFINITY
+                               else 1 << 30)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -83,20 +109,63 @@ class Operations(pyfuse3.Operations):
         except OSError as exc:
             raise to_fuse_error(exc) from None
 
+    def _child(self, parent: int, name: bytes) -> bytes:
+        try:
+            return self._inodes.child_path(parent, name)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+
     def _add_handle(self, of: OpenFile) -> None:
         self._open[of.fh] = of
         self._handles.setdefault(of.ino, []).append(of)
 
-    def _handle_fd(self, inode: int, fh: int | None = None, writable: bool = False
-                   ) -> int | None:
-        """A BACKING fd of an open handle of `inode` (the one named by `fh` if it fits):
-        it reaches the file even after its last name is gone."""
+    @contextlib.contextmanager
+    def _borrow(self, inode: int, fh: int | None = None, writable: bool = False
+                ) -> Iterator[int | None]:
+        """Hold a BACKING fd of an open handle of `inode` (the one named by `fh` if it fits),
+        or None: it reaches the file even after its last name is gone. While held, a release
+        of the handle does not close it (the last borrower queues the close), so the number
+        cannot name another file meanwhile. After a timed-out call (its thread may still run
+        with the fd) the fd is never closed: a leak, never a use of a reused number."""
         def fits(of: OpenFile) -> bool:
             return not writable or of.flags & os.O_ACCMODE != os.O_RDONLY
         of = self._open.get(fh) if fh is not None else None
         if of is None or not fits(of):
             of = next((o for o in self._handles.get(inode, ()) if fits(o)), None)
-        return of.backing_fd if of is not None else None
+        if of is None:
+            yield None
+            return
+        fd = of.backing_fd
+        self._borrowed[fd] = self._borrowed.get(fd, 0) + 1
+        abandoned = False
+        try:
+            yield fd
+        except BackingTimeout:
+            abandoned = True
+            raise
+        finally:
+            n = self._borrowed.pop(fd) - 1
+            if n:
+                self._borrowed[fd] = n
+            elif fd in self._retired:
+                self._retired.discard(fd)
+                if abandoned:
+                    log.warning("a BACKING call on a released file timed out; its descriptor "
+                                "stays open")
+                else:
+                    self._queue_close(fd)
+
+    def _queue_close(self, fd: int) -> None:
+        self._closes_pending += 1
+        self._close_send.send_nowait(fd)
+
+    async def _wait_for_fds(self) -> None:
+        """Before opening: wait while released fds pile up unclosed; refuse (ENFILE) when
+        the handles would take the descriptors the daemon needs for its own work."""
+        while self._closes_pending > MAX_PENDING_CLOSES:
+            await self._close_progress.wait()
+        if 2 * len(self._open) + self._closes_pending >= self._handle_budget:
+            raise FUSEError(errno.ENFILE)
 
     def _entry(self, parent: int, name: bytes, st: os.stat_result,
                token: tuple | None = None) -> pyfuse3.EntryAttributes:
@@ -124,20 +193,37 @@ class Operations(pyfuse3.Operations):
 
     async def run_closer(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Close released BACKING fds in threads, so release() answers the kernel at once
-        (a close on NFS may flush for a long time)."""
-        task_status.started()
+        (a close on NFS may flush for a long time): CLOSERS tasks, each taking every queued
+        fd (up to CLOSE_BATCH) into one thread call."""
+        async with trio.open_nursery() as nursery:
+            for _ in range(CLOSERS):
+                nursery.start_soon(self._closer)
+            task_status.started()
+
+    async def _closer(self) -> None:
         async for fd in self._close_recv:
+            batch = [fd]
+            while len(batch) < CLOSE_BATCH:
+                try:
+                    batch.append(self._close_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
             try:
-                await self._backing.write_call(os.close, fd)
-            except OSError as exc:
-                log.warning("closing a BACKING file failed: %s", exc)
+                errors = await self._backing.write_call(bk.close_all, batch)
+            finally:
+                self._closes_pending -= len(batch)
+                self._close_progress.set()
+                self._close_progress = trio.Event()
+            for err in errors:
+                log.warning("closing a BACKING file failed: %s", err)
 
     # -- namespace -----------------------------------------------------------------------
 
     async def lookup(self, parent_inode, name, ctx=None):
         token = self._cache.stat_token(None)
+        path = self._child(parent_inode, name)
         try:
-            st = await self._backing.lstat(self._inodes.child_path(parent_inode, name))
+            st = await self._backing.lstat(path)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         return self._entry(parent_inode, name, st, token)
@@ -148,20 +234,23 @@ class Operations(pyfuse3.Operations):
             self._cache.forget(ino)
 
     async def getattr(self, inode, ctx=None):
-        fd = self._handle_fd(inode)
         token = self._cache.stat_token(inode)
         try:
-            if fd is not None:
-                st = await self._backing.fstat(fd)
-            else:
-                st = await self._backing.lstat(self._path(inode))
+            with self._borrow(inode) as fd:
+                if fd is not None:
+                    st = await self._backing.fstat(fd)
+                else:
+                    st = await self._backing.lstat(self._path(inode))
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.attributes_seen(inode, st, token)
         return self._attr(st, inode)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
-        fd = self._handle_fd(inode, fh, writable=bool(fields.update_size))
+        with self._borrow(inode, fh, writable=bool(fields.update_size)) as fd:
+            return await self._setattr(inode, attr, fields, fd)
+
+    async def _setattr(self, inode, attr, fields, fd: int | None):
         try:
             path = self._inodes.path(inode)
         except OSError:
@@ -178,7 +267,12 @@ class Operations(pyfuse3.Operations):
             if fields.update_atime or fields.update_mtime:
                 times = (attr.st_atime_ns if fields.update_atime else None,
                          attr.st_mtime_ns if fields.update_mtime else None)
-            st = await self._backing.write_call(bk.setattr, path, fd, mode, uid, gid, times)
+            # chown(f, -1, -1) reaches us with nothing to change, but it changes the ctime
+            # on Linux: BACKING gets the same call.
+            touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
+                         or times is not None)
+            st = await self._backing.write_call(bk.setattr, self._root, path, fd, mode, uid,
+                                                gid, times, touch)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
@@ -186,14 +280,16 @@ class Operations(pyfuse3.Operations):
 
     async def readlink(self, inode, ctx):
         try:
-            return await self._backing.read_call("readlink", os.readlink, self._path(inode))
+            return await self._backing.read_call("readlink", bk.readlink, self._root,
+                                                 self._path(inode))
         except OSError as exc:
             raise to_fuse_error(exc) from None
 
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self._path(parent_inode)
+        path = self._child(parent_inode, name)
         try:
-            st = await self._backing.write_call(bk.mknod, parent + b"/" + name, mode, rdev,
+            st = await self._backing.write_call(bk.mknod, self._root, path, mode, rdev,
                                                 ctx.uid, ctx.gid, parent)
         except OSError as exc:
             raise to_fuse_error(exc) from None
@@ -201,8 +297,9 @@ class Operations(pyfuse3.Operations):
 
     async def mkdir(self, parent_inode, name, mode, ctx):
         parent = self._path(parent_inode)
+        path = self._child(parent_inode, name)
         try:
-            st = await self._backing.write_call(bk.mkdir, parent + b"/" + name, mode,
+            st = await self._backing.write_call(bk.mkdir, self._root, path, mode,
                                                 ctx.uid, ctx.gid, parent)
         except OSError as exc:
             raise to_fuse_error(exc) from None
@@ -210,23 +307,24 @@ class Operations(pyfuse3.Operations):
 
     async def symlink(self, parent_inode, name, target, ctx):
         parent = self._path(parent_inode)
+        path = self._child(parent_inode, name)
         try:
-            st = await self._backing.write_call(bk.symlink, target, parent + b"/" + name,
+            st = await self._backing.write_call(bk.symlink, self._root, target, path,
                                                 ctx.uid, ctx.gid, parent)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         return self._entry(parent_inode, name, st)
 
     async def unlink(self, parent_inode, name, ctx):
-        path = self._path(parent_inode) + b"/" + name
+        path = self._child(parent_inode, name)
         ino = self._inodes.child(parent_inode, name)
         try:
             guarded = await self._last_link(ino, path)
             if guarded:
                 st = await self._cache.unlink_guarded(
-                    ino, lambda: self._backing.write_call(bk.unlink, path))
+                    ino, lambda: self._backing.write_call(bk.unlink, self._root, path))
             else:
-                st = await self._backing.write_call(bk.unlink, path)
+                st = await self._backing.write_call(bk.unlink, self._root, path)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._inodes.unlinked(parent_inode, name)
@@ -250,8 +348,9 @@ class Operations(pyfuse3.Operations):
         return st.st_nlink <= 1 and self._inodes.ino_of(st) == ino
 
     async def rmdir(self, parent_inode, name, ctx):
+        path = self._child(parent_inode, name)
         try:
-            await self._backing.write_call(os.rmdir, self._path(parent_inode) + b"/" + name)
+            await self._backing.write_call(bk.rmdir, self._root, path)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._inodes.unlinked(parent_inode, name)
@@ -259,15 +358,17 @@ class Operations(pyfuse3.Operations):
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE):
             raise FUSEError(errno.EINVAL)
-        old = self._path(parent_inode_old) + b"/" + name_old
-        new = self._path(parent_inode_new) + b"/" + name_new
+        old = self._child(parent_inode_old, name_old)
+        new = self._child(parent_inode_new, name_new)
         target = self._inodes.child(parent_inode_new, name_new)
         try:
             if not flags & pyfuse3.RENAME_EXCHANGE and await self._last_link(target, new):
                 replaced, st = await self._cache.unlink_guarded(
-                    target, lambda: self._backing.write_call(bk.rename, old, new, flags))
+                    target, lambda: self._backing.write_call(bk.rename, self._root, old, new,
+                                                             flags))
             else:
-                replaced, st = await self._backing.write_call(bk.rename, old, new, flags)
+                replaced, st = await self._backing.write_call(bk.rename, self._root, old, new,
+                                                              flags)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
@@ -285,9 +386,10 @@ class Operations(pyfuse3.Operations):
                 self._cache.own_metadata_change(self._inodes.ino_of(replaced), None)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        new = self._path(new_parent_inode) + b"/" + new_name
+        new = self._child(new_parent_inode, new_name)
+        old = self._path(inode)
         try:
-            st = await self._backing.write_call(bk.link, self._path(inode), new)
+            st = await self._backing.write_call(bk.link, self._root, old, new)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.own_metadata_change(inode, st)
@@ -302,6 +404,7 @@ class Operations(pyfuse3.Operations):
 
     async def open(self, inode, flags, ctx):
         path = self._path(inode)
+        await self._wait_for_fds()
         fh = self._fh()
         try:
             of, keep = await self._cache.open(fh, inode, path, flags)
@@ -312,9 +415,11 @@ class Operations(pyfuse3.Operations):
 
     async def create(self, parent_inode, name, mode, flags, ctx):
         parent = self._path(parent_inode)
+        path = self._child(parent_inode, name)
+        await self._wait_for_fds()
         fh = self._fh()
         try:
-            of, st = await self._cache.create(fh, parent + b"/" + name, flags, mode,
+            of, st = await self._cache.create(fh, path, flags, mode,
                                               ctx.uid, ctx.gid, parent,
                                               lambda st: self._inodes.remember(parent_inode,
                                                                                name, st))
@@ -349,10 +454,10 @@ class Operations(pyfuse3.Operations):
         if not handles:
             del self._handles[of.ino]
         for fd in self._cache.release(of):
-            try:
-                self._close_send.send_nowait(fd)
-            except trio.WouldBlock:
-                await self._close_send.send(fd)
+            if fd in self._borrowed:
+                self._retired.add(fd)           # the last borrower queues the close
+            else:
+                self._queue_close(fd)
 
     async def fsync(self, fh, datasync):
         try:
@@ -363,17 +468,24 @@ class Operations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode, ctx):
-        path = self._path(inode)
-        try:
-            entries = await self._backing.read_call("readdir", bk.scandir, path)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        self._path(inode)                       # ENOENT for a directory no longer known
         fh = self._fh()
-        self._dirs[fh] = (inode, entries)
+        self._dirs[fh] = (inode, [])
         return fh
 
     async def readdir(self, fh, start_id, token):
         parent, entries = self._dirs[fh]
+        if start_id == 0:
+            # Listed from the start (first read, or after rewinddir): the entries as they are
+            # now, as on a plain directory; later reads continue this snapshot.
+            try:
+                entries = await self._backing.read_call(
+                    "readdir", bk.scandir, self._root, self._inodes.path(parent))
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise to_fuse_error(exc) from None
+                entries = []                    # removed meanwhile: empty, as on Linux
+            self._dirs[fh] = (parent, entries)
         for i in range(start_id, len(entries)):
             name, st = entries[i]
             ino = self._inodes.ino_of(st)
@@ -385,15 +497,16 @@ class Operations(pyfuse3.Operations):
         self._dirs.pop(fh, None)
 
     async def fsyncdir(self, fh, datasync):
-        inode, _ = self._dirs[fh]
+        inode = self._dirs[fh][0]
         try:
-            await self._backing.write_call(bk.fsync_path, self._path(inode), datasync)
+            await self._backing.write_call(bk.fsync_path, self._root, self._path(inode),
+                                           datasync)
         except OSError as exc:
             raise to_fuse_error(exc) from None
 
     async def statfs(self, ctx):
         try:
-            sv = await self._backing.read_call("statfs", os.statvfs, self._inodes.root_path)
+            sv = await self._backing.read_call("statfs", bk.statvfs, self._root)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         out = pyfuse3.StatvfsData()
@@ -403,18 +516,34 @@ class Operations(pyfuse3.Operations):
         return out
 
     # -- extended attributes -------------------------------------------------------------
+    # FUSE names the node by inode only: by its path while it has one, else (open and
+    # unlinked) through a descriptor of an open handle of it.
+
+    def _xattr_target(self, inode: int) -> bytes | None:
+        try:
+            return self._inodes.path(inode)
+        except OSError as exc:
+            if inode in self._handles:
+                return None
+            raise to_fuse_error(exc) from None
 
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             return self._control_path
+        path = self._xattr_target(inode)
         try:
-            return await self._backing.read_call("getxattr", _getxattr, self._path(inode), name)
+            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
+                return await self._backing.read_call("getxattr", bk.getxattr, self._root,
+                                                     path, fd, name)
         except OSError as exc:
             raise to_fuse_error(exc) from None
 
     async def listxattr(self, inode, ctx):
+        path = self._xattr_target(inode)
         try:
-            names = await self._backing.read_call("listxattr", _listxattr, self._path(inode))
+            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
+                names = await self._backing.read_call("listxattr", bk.listxattr, self._root,
+                                                      path, fd)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         return [os.fsencode(n) for n in names]
@@ -422,31 +551,19 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             raise FUSEError(errno.EPERM)
+        path = self._xattr_target(inode)
         try:
-            await self._backing.write_call(_setxattr, self._path(inode), name, value)
+            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
+                await self._backing.write_call(bk.setxattr, self._root, path, fd, name, value)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
 
     async def removexattr(self, inode, name, ctx):
+        path = self._xattr_target(inode)
         try:
-            await self._backing.write_call(_removexattr, self._path(inode), name)
+            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
+                await self._backing.write_call(bk.removexattr, self._root, path, fd, name)
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
-
-
-def _getxattr(path: bytes, name: bytes) -> bytes:
-    return os.getxattr(path, name, follow_symlinks=False)
-
-
-def _listxattr(path: bytes) -> list[str]:
-    return os.listxattr(path, follow_symlinks=False)
-
-
-def _setxattr(path: bytes, name: bytes, value: bytes) -> None:
-    os.setxattr(path, name, value, 0, follow_symlinks=False)
-
-
-def _removexattr(path: bytes, name: bytes) -> None:
-    os.removexattr(path, name, follow_symlinks=False)

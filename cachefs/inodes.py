@@ -3,7 +3,8 @@
 FUSE inode numbers are BACKING's st_ino (BACKING's root is ROOT_INODE), so hard links share an
 inode and cached data, and numbers are stable across remounts. Each inode remembers the
 directory entries (parent inode, name) it is known under; a path is rebuilt by walking up to
-the root, so renaming a directory needs no update of its descendants.
+the root, so renaming a directory needs no update of its descendants. Paths are relative to
+BACKING's root (b"." is the root), to be used with its descriptor (`backing.at`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ class Inode:
 
 
 class InodeTable:
-    def __init__(self, backing: str, root_st: os.stat_result):
-        self.root_path = os.fsencode(backing)
+    def __init__(self, root_st: os.stat_result):
         self.root_st_ino = root_st.st_ino
         self._inodes: dict[int, Inode] = {ROOT_INODE: Inode(ROOT_INODE, True)}
         self._entries: dict[tuple[int, bytes], int] = {}      # (parent, name) -> ino
@@ -38,9 +38,10 @@ class InodeTable:
         return ROOT_INODE if st.st_ino == self.root_st_ino else st.st_ino
 
     def path(self, ino: int) -> bytes:
-        """BACKING path of an inode; raises ENOENT (OSError) for an unknown inode."""
+        """BACKING path of an inode, relative to BACKING's root; raises ENOENT (OSError) for
+        an unknown inode or one with no name left."""
         if ino == ROOT_INODE:
-            return self.root_path
+            return b"."
         parts = []
         seen = 0
         while ino != ROOT_INODE:
@@ -52,10 +53,11 @@ class InodeTable:
             seen += 1
             if seen > 4096:
                 raise OSError(errno.ELOOP, "inode path loop")
-        parts.append(self.root_path)
         return b"/".join(reversed(parts))
 
     def child_path(self, parent: int, name: bytes) -> bytes:
+        if parent == ROOT_INODE:
+            return name
         return self.path(parent) + b"/" + name
 
     def remember(self, parent: int, name: bytes, st: os.stat_result, lookup: bool = True) -> int:

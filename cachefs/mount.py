@@ -14,6 +14,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -25,7 +26,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from .backing import Backing
+from .backing import Backing, open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer
@@ -226,7 +227,8 @@ class Daemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.stats = Stats()
-        self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s)
+        self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s,
+                               open_root(cfg.backing))
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = os.path.join(cfg.cache_dir, "control.sock")
         self.clean_start = True
@@ -235,7 +237,7 @@ class Daemon:
         self.warm: Warm | None = None
 
     def open(self) -> None:
-        root_st = os.stat(self.cfg.backing)
+        root_st = os.fstat(self.backing.root_fd)
         self.clean_start = self.store.open(os.path.realpath(self.cfg.backing), root_st)
         if not self.clean_start:
             log.warning("the last stop of this cache was not clean; cached data is "
@@ -251,7 +253,7 @@ class Daemon:
         if self.cache.dirty:
             log.info("%s of dirty data from an earlier write-back mount will be destaged",
                      format_size(self.cache.dirty_bytes()))
-        inodes = InodeTable(self.cfg.backing, root_st)
+        inodes = InodeTable(root_st)
         self.ops = Operations(self.cfg, self.cache, self.backing, inodes, self.control_path)
         self.warm = Warm(self.cfg, self.cache, self.backing, self.store, self.stats, inodes)
         self.warm.load()
@@ -368,7 +370,7 @@ class Daemon:
                 sd_notify("READY=1")
                 log.info("mounted %s on %s (%s)", self.cfg.backing, self.cfg.mountpoint,
                          self.cfg.mode)
-                await pyfuse3.main()
+                await _fuse_main()
                 nursery.cancel_scope.cancel()
         finally:
             if mounted:
@@ -415,10 +417,37 @@ def _paths(request: dict) -> list[str]:
     return paths
 
 
+async def _fuse_main() -> None:
+    """pyfuse3's main loop. The kernel ends the FUSE connection with ENODEV at an unmount
+    (pyfuse3 returns), but with ECONNABORTED when it was aborted (echo 1 > .../abort under
+    /sys/fs/fuse/connections, or a kernel timeout, for a file system that asked for abort
+    errors), which pyfuse3 raises: the session is over all the same, and cachefs shuts down
+    cleanly rather than end with a traceback."""
+    try:
+        await pyfuse3.main()
+    except ConnectionAbortedError:
+        log.warning("the kernel aborted the FUSE connection; shutting down")
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit of open descriptors to the hard limit (trio uses epoll, so no
+    select() limit applies): every open handle holds one or two BACKING descriptors.
+    Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.info("could not raise the open file limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 def run(cfg: Config, ready: Callable[[str | None], None]) -> int:
     """Run a mount in this process until it is unmounted; returns the exit status."""
     try:
         check_paths(cfg)
+        raise_fd_limit()
         prepare_cache_dir(cfg)
         lock_fd = lock_cache_dir(cfg.cache_dir)
         daemon = Daemon(cfg)

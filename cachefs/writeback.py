@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from . import aio
+from . import backing as bk
 from .backing import Backing
 from .config import Config
 from .stats import Stats
@@ -58,7 +59,8 @@ class Destager:
         self.last_error_s = 0.0
         self.last_progress_s = time.monotonic()
         self._backoff: dict[int, tuple[float, float]] = {}    # ino -> (retry at, delay)
-        self._root = os.fsencode(cfg.backing)
+        # older caches stored absolute path hints: BACKING as given, or its real path
+        self._root_paths = (os.fsencode(cfg.backing), os.fsencode(os.path.realpath(cfg.backing)))
 
     # -- flow control ------------------------------------------------------------------------
 
@@ -129,8 +131,8 @@ class Destager:
                 return
             if cf.wb_fd < 0:
                 try:
-                    fd = await self._backing.write_call(_open_by_ino, self._root, cf.path,
-                                                        cf.ino)
+                    fd = await self._backing.write_call(_open_by_ino, self._backing.root_fd,
+                                                        self._root_paths, cf.path, cf.ino)
                 except OSError as exc:
                     self._failed(cf, exc)
                     return
@@ -213,12 +215,18 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]]) -> os.sta
     return os.fstat(fd)
 
 
-def _open_by_ino(root: bytes, hint: bytes | None, ino: int) -> int:
-    """Open BACKING's file with inode `ino` for writing: at its path hint, or found by a
-    walk of BACKING (it was renamed while cachefs was down). -1 if it no longer exists."""
+def _open_by_ino(root: int, root_paths: tuple[bytes, ...], hint: bytes | None, ino: int
+                 ) -> int:
+    """Open BACKING's file with inode `ino` for writing: at its path hint (relative to
+    BACKING's root fd; older caches stored absolute paths under one of `root_paths`), or
+    found by a walk of BACKING (it was renamed while cachefs was down). -1 if it no longer
+    exists."""
+    if hint and hint.startswith(b"/"):
+        prefixes = [p.rstrip(b"/") + b"/" for p in root_paths]
+        hint = next((hint[len(p):] for p in prefixes if hint.startswith(p)), None)
     if hint:
         try:
-            fd = os.open(hint, os.O_WRONLY | os.O_CLOEXEC)
+            fd = bk.open_at(root, hint, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
                 raise
@@ -226,13 +234,12 @@ def _open_by_ino(root: bytes, hint: bytes | None, ino: int) -> int:
             if os.fstat(fd).st_ino == ino:
                 return fd
             os.close(fd)
-    for dirpath, _, names in os.walk(root):
+    for _, _, names, dfd in os.fwalk(".", dir_fd=root):
         for name in names:
-            path = os.path.join(dirpath, name)
             try:
-                st = os.lstat(path)
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
-                return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                return os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
     return -1

@@ -1,0 +1,51 @@
+"""BACKING paths relative to a descriptor of BACKING's root (cachefs/backing.py `at`), and
+the end of a FUSE session by ECONNABORTED (cachefs/mount.py `_fuse_main`)."""
+
+import errno
+import os
+
+import pytest
+import trio
+
+from cachefs import backing as bk
+from cachefs import mount
+
+NAME = b"n" * 250
+
+
+def test_paths_longer_than_path_max_are_walked_in_pieces(tmp_path):
+    root = bk.open_root(str(tmp_path))
+    try:
+        rel = b"."
+        parts = []
+        for _ in range(25):                        # 6.3 KB below the root
+            parts.append(NAME)
+            bk.mkdir(root, b"/".join(parts), 0o755, -1, -1, b"/".join(parts[:-1]) or b".")
+        rel = b"/".join(parts)
+        assert len(rel) > bk.PATH_MAX
+        fd, st = bk.create(root, rel + b"/f", os.O_RDWR | os.O_CLOEXEC, 0o644, -1, -1, rel)
+        os.write(fd, b"hello")
+        os.close(fd)
+        assert bk.lstat(root, rel + b"/f").st_size == 5
+        bk.setxattr(root, rel + b"/f", None, b"user.k", b"v")
+        assert bk.getxattr(root, rel + b"/f", None, b"user.k") == b"v"
+        assert bk.listxattr(root, rel + b"/f", None) == ["user.k"]
+        bk.rename(root, rel + b"/f", rel + b"/g", 0)
+        assert [n for n, _ in bk.scandir(root, rel)] == [b"g"]
+        assert bk.truncate_stat(root, rel + b"/g", None, 2).st_size == 2
+        with pytest.raises(OSError) as exc:
+            bk.getxattr(root, rel + b"/g", None, b"user.absent")
+        assert exc.value.errno == errno.ENODATA
+        bk.unlink(root, rel + b"/g")
+    finally:
+        os.close(root)
+
+
+def test_connection_aborted_ends_the_session_quietly(monkeypatch):
+    """An unmount under load once ended the daemon with a ConnectionAbortedError traceback
+    (the kernel answers a read of /dev/fuse with ECONNABORTED when the connection goes
+    away while a request is being copied out): that is the end of the session too."""
+    async def aborted():
+        raise OSError(errno.ECONNABORTED, "fuse_session_receive_buf failed")
+    monkeypatch.setattr(mount.pyfuse3, "main", aborted)
+    trio.run(mount._fuse_main)
