@@ -62,10 +62,14 @@ def identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _older(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> bool:
-    """True if identity `a` was taken before `b` (ctime, then mtime, then size: a file's
-    timestamps never go back and, between truncates, neither does its size)."""
-    return (a[3], a[2], a[1]) < (b[3], b[2], b[1])
+def _older(a: tuple[int, int, int, int], b: tuple[int, int, int, int],
+           size_counts: bool = True) -> bool:
+    """True if identity `a` was taken before `b`: by ctime, then mtime (a file's timestamps
+    never go back); within one timestamp tick, by size if `size_counts` (writes never shrink
+    a file; a truncate's own stat is taken as the newer one)."""
+    if (a[3], a[2]) != (b[3], b[2]):
+        return (a[3], a[2]) < (b[3], b[2])
+    return size_counts and a[1] < b[1]
 
 
 def pwrite_all(fd: int, data, off: int) -> None:
@@ -433,7 +437,8 @@ class Cache:
         cf.change_seq += 1
         self.change_seq += 1
         ident = identity(st)
-        if cf.identity is not None and cf.identity[0] == ident[0] and _older(ident, cf.identity):
+        if cf.identity is not None and cf.identity[0] == ident[0] and _older(
+                ident, cf.identity, size_counts=not size_exact):
             return                      # a later state of ours is known already
         cf.identity = ident
         if size_exact:
@@ -505,6 +510,7 @@ class Cache:
             return
         if cf.open_count:
             cf.doomed = True
+            cf.ctime_pending = True     # the unlink moved BACKING's ctime (nlink 0)
         else:
             self._discard(cf)
 
@@ -570,6 +576,14 @@ class Cache:
                     os.close(dfd)
                 raise
             unchanged = False
+        if self.write_back and cf.dirty_exts and cf.wb_fd < 0:
+            # Dirty data from before a remount: the destager writes through a descriptor of
+            # this open file, which reaches it even once its last name is gone.
+            wfd = await self.backing.write_call(_writable_twin, fd, flags)
+            if wfd >= 0 and cf.wb_fd < 0 and self.files.get(ino) is cf:
+                cf.wb_fd = wfd
+            elif wfd >= 0:
+                os.close(wfd)               # not written through: closes at once
         if cf.extents:
             try:
                 self._cache_fd(cf)
@@ -920,6 +934,8 @@ class Cache:
                 self.stats.throttled_writes += 1
                 await self.destager.wait_progress()      # the pool is full of dirty data
                 continue
+            if missing and self._partial_gaps(cf, off, end):
+                continue                # making room evicted a block this write fills
             break
         try:
             self._write_dirty(cf, off, data)
@@ -1536,6 +1552,16 @@ def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool
     except BaseException:
         os.close(fd)
         raise
+
+
+def _writable_twin(fd: int, flags: int) -> int:
+    """A writable descriptor of the file open as `fd` (also when unlinked), or -1."""
+    if flags & os.O_ACCMODE != os.O_RDONLY:
+        return os.dup(fd)
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _fdatasync_paths(paths: list[str]) -> None:

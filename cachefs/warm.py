@@ -100,8 +100,8 @@ class Job:
         return self.cached + self.loaded + self.missing_bytes()
 
 
-def _open_fstat(path: bytes) -> tuple[int, os.stat_result]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+def _open_fstat(root: int, path: bytes) -> tuple[int, os.stat_result]:
+    fd = bk.open_at(root, path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         return fd, os.fstat(fd)
     except BaseException:
@@ -120,7 +120,6 @@ class Warm:
         self.store = store
         self.stats = stats
         self.inodes = inodes
-        self.root = os.fsencode(cfg.backing).rstrip(b"/") or b"/"
         self.pins: dict[int, Pin] = {}
         self._busy: dict[int, int] = {}          # ino -> loads in progress
         self._reads = trio.CapacityLimiter(PARALLEL_READS)
@@ -212,11 +211,8 @@ class Warm:
         return self.cfg.mountpoint if name == "." else os.path.join(self.cfg.mountpoint, name)
 
     def _rel_of(self, path: bytes) -> bytes | None:
-        if path == self.root:
-            return b"."
-        if path.startswith(self.root + b"/"):
-            return path[len(self.root) + 1:]
-        return None
+        """BACKING paths are relative to its root already (backing.at)."""
+        return path or b"."
 
     def _backing_path(self, rel: str) -> tuple[bytes, bytes]:
         """(rel, BACKING path) of a path relative to the mountpoint; CommandFailed if it
@@ -224,7 +220,7 @@ class Warm:
         relb = os.path.normpath(os.fsencode(rel))
         if relb.startswith(b"/") or relb == b".." or relb.startswith(b"../"):
             raise CommandFailed(f"{rel} is outside the mount {self.cfg.mountpoint}.")
-        return relb, self.root if relb == b"." else self.root + b"/" + relb
+        return relb, relb
 
     async def _scan(self, rels: list[str]) -> list[Target]:
         """The regular files named by `rels` (files or directory trees), BACKING's view."""
@@ -249,13 +245,14 @@ class Warm:
         while todo:
             rel, path = todo.pop()
             try:
-                entries = await self.backing.read_call("readdir", bk.scandir, path)
+                entries = await self.backing.read_call("readdir", bk.scandir,
+                                                       self.backing.root_fd, path)
             except OSError as exc:
                 raise CommandFailed(f"cannot list {self._show(rel)} in BACKING: "
                                     f"{exc.strerror or exc}.") from None
             for name, st in sorted(entries):
                 crel = name if rel == b"." else rel + b"/" + name
-                cpath = path + b"/" + name
+                cpath = name if path == b"." else path + b"/" + name
                 if stat_mod.S_ISREG(st.st_mode):
                     found.setdefault(st.st_ino, Target(crel, cpath, st.st_ino, st.st_size))
                 elif stat_mod.S_ISDIR(st.st_mode):
@@ -427,7 +424,8 @@ class Warm:
         cache = self.cache
         token = cache.stat_token(t.ino)
         try:
-            fd, st = await self.backing.read_call("open", _open_fstat, t.path)
+            fd, st = await self.backing.read_call("open", _open_fstat, self.backing.root_fd,
+                                                  t.path)
         except OSError as exc:
             job.errors.append(f"{self._show(t.rel)}: {exc.strerror or exc}")
             job.miss(t, t.size)
@@ -585,7 +583,7 @@ class Warm:
     async def _resolve(self, pin: Pin) -> bytes | None:
         """The BACKING path of a pinned inode: its recorded path, or the one the mount knows
         it by now. No path: the file is gone and loses its pin."""
-        candidates = [self.root + b"/" + pin.rel]
+        candidates = [pin.rel]
         try:
             candidates.append(self.inodes.path(pin.ino))
         except OSError:

@@ -136,6 +136,11 @@ class Destager:
                 except OSError as exc:
                     self._failed(cf, exc)
                     return
+                if fd < 0 and cf.open_count:
+                    # Unlinked but still open (and no handle was opened since a remount to
+                    # lend a descriptor): its data stays readable in the cache until closed.
+                    self._backoff[cf.ino] = (time.monotonic() + BACKOFF_MAX_S, BACKOFF_MAX_S)
+                    return
                 if fd < 0:
                     cache.discard_orphan(cf)
                     return
