@@ -17,6 +17,8 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
+import stat
 import subprocess
 import time
 from typing import Callable
@@ -44,6 +46,10 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def check_paths(cfg: Config) -> None:
     """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
     cfg.validate()
@@ -65,9 +71,16 @@ def check_paths(cfg: Config) -> None:
         raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
                         "contain each other.")
     for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
+        if _same(cfg.cache_dir, path):
+            raise UserError(f"the cache directory {cfg.cache_dir} is {what} itself; it must "
+                            "be a directory of its own on the fast local disk.")
         if _inside(cfg.cache_dir, path):
             raise UserError(f"the cache directory {cfg.cache_dir} is inside {what} {path}; "
                             "it must be on the fast local disk, outside both.")
+        if _inside(path, cfg.cache_dir):
+            raise UserError(f"{what} {path} is inside the cache directory {cfg.cache_dir}; "
+                            "the cache directory must be a directory of its own, apart "
+                            "from both.")
     if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
         raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
     if not os.path.exists("/dev/fuse"):
@@ -98,13 +111,50 @@ def _unescape(field: str) -> str:
 
 
 def prepare_cache_dir(cfg: Config) -> None:
+    """Create the cache directory (and data/) if needed and make it private (make_private)."""
     try:
+        os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(cfg.cache_dir, "data"), mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create the cache directory {cfg.cache_dir}: "
                         f"{exc.strerror}.") from None
     if not os.access(cfg.cache_dir, os.W_OK):
         raise UserError(f"the cache directory {cfg.cache_dir} is not writable.")
+    make_private(cfg.cache_dir)
+
+
+# Files of the cache directory besides data/ (SQLite gives -wal and -shm the mode of the
+# database file, so that one is created 0600 before SQLite opens it: see MetadataStore).
+PRIVATE_FILES = ("cachefs.db", "cachefs.db-wal", "cachefs.db-shm", "cachefs.log", "lock",
+                 "doubt.log", "doubt.log.prev", "control.sock")
+
+
+def make_private(cache_dir: str) -> None:
+    """The cache directory holds BACKING's paths, sizes and data: only the daemon's user
+    may read it. The directory and data/ become 0700 (also when they already existed with
+    wider modes), data/'s subdirectories 0700 and our own files lose group and other bits.
+    Data files are created 0600 by the engine and not walked here (a large cache has many).
+
+    Raises UserError if a mode cannot be changed (for example, another user owns the
+    directory)."""
+    paths = [cache_dir, os.path.join(cache_dir, "data")]
+    try:
+        with os.scandir(paths[1]) as it:
+            paths += [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        pass
+    paths += [os.path.join(cache_dir, name) for name in PRIVATE_FILES]
+    for path in paths:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+                continue
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UserError(f"cannot make {path} private to its user (mode 0700 for "
+                            f"directories, 0600 for files): {exc.strerror}.") from None
 
 
 def lock_cache_dir(cache_dir: str) -> int:
@@ -211,6 +261,7 @@ class Daemon:
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = os.path.join(cfg.cache_dir, "control.sock")
         self.clean_start = True
+        self._lifetime_saved: dict[str, int] | None = {}     # None after a failed save
         self.cache: Cache | None = None
         self.ops: Operations | None = None
 
@@ -221,6 +272,7 @@ class Daemon:
             log.warning("the last stop of this cache was not clean; cached data is "
                         "revalidated against BACKING as files are opened")
         self.store.set_meta("mode", self.cfg.mode)
+        self.stats.set_lifetime_base(*self.store.load_lifetime())
         capacity = cache_capacity(self.cfg, 0) // EXT_SIZE
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
@@ -250,6 +302,7 @@ class Daemon:
             "destage_rate": round(d.rate), "eta_s": None if eta is None else round(eta, 1),
             "throttle_delay_s": round(self.stats.throttle_delay_ns / 1e9, 3),
             "last_destage_error": d.last_error,
+            "lifetime": self.stats.lifetime_snapshot(),
         }
 
     async def flush_cmd(self, request: dict, progress) -> dict:
@@ -306,6 +359,7 @@ class Daemon:
                 await nursery.start(self.ops.run_invalidator)
                 await nursery.start(self.ops.run_closer)
                 await nursery.start(self.cache.destager.run)
+                await nursery.start(self._run_lifetime_saver)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
                 real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting
@@ -331,8 +385,30 @@ class Daemon:
             with trio.CancelScope(shield=True):
                 sd_notify("STOPPING=1")
                 await self.cache.persist(durable=True)
+            self._save_lifetime()
             self.store.close(clean=True)
             log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
+
+    async def _run_lifetime_saver(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Save the lifetime totals every commit interval in which a counter moved (a
+        kill -9 loses at most one interval of them); unmount saves the final ones."""
+        task_status.started()
+        while True:
+            await trio.sleep(self.cfg.commit_interval_s)
+            self._save_lifetime()
+
+    def _save_lifetime(self) -> None:
+        totals = self.stats.lifetime()
+        if totals == self._lifetime_saved:
+            return
+        try:
+            self.store.save_lifetime(totals)
+        except sqlite3.Error as exc:           # statistics never stop the mount
+            if self._lifetime_saved is not None:
+                log.warning("could not save the lifetime statistics (%s); retrying", exc)
+            self._lifetime_saved = None
+            return
+        self._lifetime_saved = totals
 
     async def _destage_before_write_through(self) -> None:
         log.info("destaging %s of write-back data before mounting in write-through mode",
