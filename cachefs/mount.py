@@ -110,8 +110,9 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
-def prepare_cache_dir(cfg: Config) -> None:
-    """Create the cache directory (and data/) if needed and make it private (make_private)."""
+def prepare_cache_dir(cfg: Config, data_files: bool = True) -> None:
+    """Create the cache directory (and data/) if needed and make it private (make_private;
+    `data_files=False` leaves the data files to the daemon's own call)."""
     try:
         os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(cfg.cache_dir, "data"), mode=0o700, exist_ok=True)
@@ -120,7 +121,7 @@ def prepare_cache_dir(cfg: Config) -> None:
                         f"{exc.strerror}.") from None
     if not os.access(cfg.cache_dir, os.W_OK):
         raise UserError(f"the cache directory {cfg.cache_dir} is not writable.")
-    make_private(cfg.cache_dir)
+    make_private(cfg.cache_dir, data_files)
 
 
 # Files of the cache directory besides data/ (SQLite gives -wal and -shm the mode of the
@@ -129,21 +130,27 @@ PRIVATE_FILES = ("cachefs.db", "cachefs.db-wal", "cachefs.db-shm", "cachefs.log"
                  "doubt.log", "doubt.log.prev", "control.sock")
 
 
-def make_private(cache_dir: str) -> None:
+def make_private(cache_dir: str, data_files: bool = True) -> None:
     """The cache directory holds BACKING's paths, sizes and data: only the daemon's user
-    may read it. The directory and data/ become 0700 (also when they already existed with
-    wider modes), data/'s subdirectories 0700 and our own files lose group and other bits.
-    Data files are created 0600 by the engine and not walked here (a large cache has many).
+    may read it. The directory, data/ and its subdirectories become 0700 (also when they
+    existed with wider modes) and every file of ours loses its group and other bits. Files
+    created later are private by their creation mode (the daemon runs with umask 0).
 
     Raises UserError if a mode cannot be changed (for example, another user owns the
     directory)."""
-    paths = [cache_dir, os.path.join(cache_dir, "data")]
+    data = os.path.join(cache_dir, "data")
+    paths = [cache_dir, data, *(os.path.join(cache_dir, name) for name in PRIVATE_FILES)]
     try:
-        with os.scandir(paths[1]) as it:
-            paths += [e.path for e in it if e.is_dir(follow_symlinks=False)]
+        with os.scandir(data) as it:
+            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
-        pass
-    paths += [os.path.join(cache_dir, name) for name in PRIVATE_FILES]
+        subdirs = []
+    paths += subdirs
+    if data_files:                      # a stat per data file: milliseconds per thousand
+        for sub in subdirs:
+            with os.scandir(sub) as it:
+                paths += [e.path for e in it
+                          if e.is_file(follow_symlinks=False) and e.stat().st_mode & 0o077]
     for path in paths:
         try:
             st = os.lstat(path)

@@ -55,7 +55,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if cfg.foreground:
         return _run_foreground(cfg)
     mnt.check_paths(cfg)
-    mnt.prepare_cache_dir(cfg)
+    mnt.prepare_cache_dir(cfg, data_files=False)       # the daemon walks data/ itself
     log_path = os.path.join(cfg.cache_dir, "cachefs.log")
     r, w = os.pipe()
     log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
