@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -238,10 +239,10 @@ def test_locks_are_local_to_this_machine(mounted):
                 "fd = os.open(sys.argv[1], os.O_RDWR)\n"
                 "try:\n    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 2, 0)\n"
                 "except BlockingIOError:\n    sys.exit(3)\n")
-        res = subprocess.run([os.sys.executable, "-c", code, str(mounted.path("l"))],
+        res = subprocess.run([sys.executable, "-c", code, str(mounted.path("l"))],
                              timeout=30)
         assert res.returncode == 3                                 # another process: blocked
-        res = subprocess.run([os.sys.executable, "-c", code, str(mounted.backing / "l")],
+        res = subprocess.run([sys.executable, "-c", code, str(mounted.backing / "l")],
                              timeout=30)
         assert res.returncode == 0                                 # BACKING never saw it
     finally:
