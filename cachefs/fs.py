@@ -21,6 +21,7 @@ import math
 import os
 import resource
 import stat as stat_mod
+import time
 from typing import Iterator
 
 import pyfuse3
@@ -30,7 +31,7 @@ from pyfuse3 import FUSEError
 from . import backing as bk
 from .backing import Backing
 from .cache import Cache, OpenFile
-from .config import Config
+from .config import EXT_SIZE, Config
 from .errors import BackingTimeout
 from .inodes import ROOT_INODE, InodeTable
 
@@ -62,7 +63,8 @@ class Operations(pyfuse3.Operations):
         self._control_path = os.fsencode(control_path)
         self._open: dict[int, OpenFile] = {}
         self._handles: dict[int, list[OpenFile]] = {}        # ino -> its open handles
-        self._dirs: dict[int, tuple[int, list]] = {}      # fh -> (inode, entries)
+        self._dirs: dict[int, tuple[int, list]] = {}
+        self._written_ns: dict[int, int] = {}       # write-back: ino -> time of last write
         self._next_fh = 1
         self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
         self._root = backing.root_fd
@@ -96,7 +98,24 @@ class Operations(pyfuse3.Operations):
         a.st_atime_ns = st.st_atime_ns
         a.st_mtime_ns = st.st_mtime_ns
         a.st_ctime_ns = st.st_ctime_ns
+        if self._cache.write_back:
+            self._dirty_view(a, st, ino)
         return a
+
+    def _dirty_view(self, a: pyfuse3.EntryAttributes, st: os.stat_result, ino: int) -> None:
+        """Write-back: attributes of a file with dirty data as they will be once it reaches
+        BACKING. BACKING may hold none of the bytes yet, and a file that claims 0 blocks
+        is taken for all holes (GNU tar --sparse archived zeros); its mtime must move with
+        the writes, or make and rsync miss the change until the destage."""
+        cf = self._cache.files.get(ino)
+        if cf is None or not cf.dirty_exts:
+            self._written_ns.pop(ino, None)
+            return
+        a.st_blocks = max(st.st_blocks, -(-min(a.st_size, cf.dirty_exts * EXT_SIZE) // 512))
+        written = self._written_ns.get(ino)
+        if written is not None:
+            a.st_mtime_ns = max(st.st_mtime_ns, written)
+            a.st_ctime_ns = max(st.st_ctime_ns, written)
 
     def _fh(self) -> int:
         fh = self._next_fh
@@ -276,6 +295,10 @@ class Operations(pyfuse3.Operations):
         except OSError as exc:
             raise to_fuse_error(exc) from None
         self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
+        if fields.update_mtime:
+            self._written_ns.pop(inode, None)       # an explicit mtime wins over our writes
+        elif fields.update_size and self._cache.write_back:
+            self._written_ns[inode] = time.time_ns()
         return self._attr(st, inode)
 
     async def readlink(self, inode, ctx):
@@ -439,10 +462,14 @@ class Operations(pyfuse3.Operations):
         return data
 
     async def write(self, fh, off, buf):
+        of = self._open[fh]
         try:
-            return await self._cache.write(self._open[fh], off, buf)
+            n = await self._cache.write(of, off, buf)
         except OSError as exc:
             raise to_fuse_error(exc) from None
+        if self._cache.write_back:
+            self._written_ns[of.ino] = time.time_ns()
+        return n
 
     async def flush(self, fh):
         pass

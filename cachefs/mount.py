@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import stat
 import subprocess
 import time
 from typing import Callable
@@ -47,6 +48,10 @@ def _inside(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def check_paths(cfg: Config) -> None:
     """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
     cfg.validate()
@@ -68,9 +73,16 @@ def check_paths(cfg: Config) -> None:
         raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
                         "contain each other.")
     for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
+        if _same(cfg.cache_dir, path):
+            raise UserError(f"the cache directory {cfg.cache_dir} is {what} itself; it must "
+                            "be a directory of its own on the fast local disk.")
         if _inside(cfg.cache_dir, path):
             raise UserError(f"the cache directory {cfg.cache_dir} is inside {what} {path}; "
                             "it must be on the fast local disk, outside both.")
+        if _inside(path, cfg.cache_dir):
+            raise UserError(f"{what} {path} is inside the cache directory {cfg.cache_dir}; "
+                            "the cache directory must be a directory of its own, apart "
+                            "from both.")
     if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
         raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
     if not os.path.exists("/dev/fuse"):
@@ -100,14 +112,58 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
-def prepare_cache_dir(cfg: Config) -> None:
+def prepare_cache_dir(cfg: Config, data_files: bool = True) -> None:
+    """Create the cache directory (and data/) if needed and make it private (make_private;
+    `data_files=False` leaves the data files to the daemon's own call)."""
     try:
+        os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(cfg.cache_dir, "data"), mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create the cache directory {cfg.cache_dir}: "
                         f"{exc.strerror}.") from None
     if not os.access(cfg.cache_dir, os.W_OK):
         raise UserError(f"the cache directory {cfg.cache_dir} is not writable.")
+    make_private(cfg.cache_dir, data_files)
+
+
+# Files of the cache directory besides data/ (SQLite gives -wal and -shm the mode of the
+# database file, so that one is created 0600 before SQLite opens it: see MetadataStore).
+PRIVATE_FILES = ("cachefs.db", "cachefs.db-wal", "cachefs.db-shm", "cachefs.log", "lock",
+                 "doubt.log", "doubt.log.prev", "control.sock")
+
+
+def make_private(cache_dir: str, data_files: bool = True) -> None:
+    """The cache directory holds BACKING's paths, sizes and data: only the daemon's user
+    may read it. The directory, data/ and its subdirectories become 0700 (also when they
+    existed with wider modes) and every file of ours loses its group and other bits. Files
+    created later are private by their creation mode (the daemon runs with umask 0).
+
+    Raises UserError if a mode cannot be changed (for example, another user owns the
+    directory)."""
+    data = os.path.join(cache_dir, "data")
+    paths = [cache_dir, data, *(os.path.join(cache_dir, name) for name in PRIVATE_FILES)]
+    try:
+        with os.scandir(data) as it:
+            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        subdirs = []
+    paths += subdirs
+    if data_files:                      # a stat per data file: milliseconds per thousand
+        for sub in subdirs:
+            with os.scandir(sub) as it:
+                paths += [e.path for e in it
+                          if e.is_file(follow_symlinks=False) and e.stat().st_mode & 0o077]
+    for path in paths:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+                continue
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UserError(f"cannot make {path} private to its user (mode 0700 for "
+                            f"directories, 0600 for files): {exc.strerror}.") from None
 
 
 def lock_cache_dir(cache_dir: str) -> int:
@@ -232,6 +288,7 @@ class Daemon:
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = os.path.join(cfg.cache_dir, "control.sock")
         self.clean_start = True
+        self._lifetime_saved: dict[str, int] | None = {}     # None after a failed save
         self.cache: Cache | None = None
         self.ops: Operations | None = None
         self.warm: Warm | None = None
@@ -244,6 +301,7 @@ class Daemon:
                         "revalidated against BACKING as files are opened")
         self.store.set_meta("mode", self.cfg.mode)
         self.store.ensure_reserve()
+        self.stats.set_lifetime_base(*self.store.load_lifetime())
         capacity = cache_capacity(self.cfg, cache_dir_usage(self.cfg.cache_dir)) // EXT_SIZE
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
@@ -276,6 +334,7 @@ class Daemon:
             "destage_rate": round(d.rate), "eta_s": None if eta is None else round(eta, 1),
             "throttle_delay_s": round(self.stats.throttle_delay_ns / 1e9, 3),
             "last_destage_error": d.last_error,
+            "lifetime": self.stats.lifetime_snapshot(),
         }
 
     async def flush_cmd(self, request: dict, progress) -> dict:
@@ -353,6 +412,7 @@ class Daemon:
                 await nursery.start(self.ops.run_closer)
                 await nursery.start(self.cache.destager.run)
                 await nursery.start(self.warm.run)
+                await nursery.start(self._run_lifetime_saver)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
                 real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting
@@ -384,6 +444,7 @@ class Daemon:
                     clean = False
                     log.error("the last metadata commit failed (%s); the next mount "
                               "recovers as after a crash", exc)
+            self._save_lifetime()
             try:
                 self.store.close(clean=clean)
             except sqlite3.Error as exc:
@@ -392,6 +453,27 @@ class Daemon:
                           "recovers as after a crash", exc)
             if clean:
                 log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
+
+    async def _run_lifetime_saver(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Save the lifetime totals every commit interval in which a counter moved (a
+        kill -9 loses at most one interval of them); unmount saves the final ones."""
+        task_status.started()
+        while True:
+            await trio.sleep(self.cfg.commit_interval_s)
+            self._save_lifetime()
+
+    def _save_lifetime(self) -> None:
+        totals = self.stats.lifetime()
+        if totals == self._lifetime_saved:
+            return
+        try:
+            self.store.save_lifetime(totals)
+        except sqlite3.Error as exc:           # statistics never stop the mount
+            if self._lifetime_saved is not None:
+                log.warning("could not save the lifetime statistics (%s); retrying", exc)
+            self._lifetime_saved = None
+            return
+        self._lifetime_saved = totals
 
     async def _destage_before_write_through(self) -> None:
         log.info("destaging %s of write-back data before mounting in write-through mode",

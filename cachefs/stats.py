@@ -1,5 +1,10 @@
 """Counters of the engine. Plain integer attributes so the hit path counts with `+= 1`;
-`snapshot()` derives ratios and gauges for `cachefs-ctl stats`."""
+`snapshot()` derives ratios and gauges for `cachefs-ctl stats`.
+
+Lifetime totals span remounts: the store keeps each counter's total over all earlier
+mounts (the base, loaded at mount); the lifetime figure is base + this mount's counter, so
+the hit path counts once, in place. The store saves base + current at every commit interval
+and at unmount (a kill -9 loses at most the last interval)."""
 
 from __future__ import annotations
 
@@ -41,12 +46,33 @@ class Stats:
         for name in COUNTERS:
             setattr(self, name, 0)
         self.started_s = time.monotonic()
+        self.lifetime_base: dict[str, int] = {}     # totals of all earlier mounts
+        self.lifetime_since: float | None = None    # wall time the totals started
+
+    def set_lifetime_base(self, base: dict[str, int], since: float) -> None:
+        self.lifetime_base = dict(base)
+        self.lifetime_since = since
+
+    def lifetime(self) -> dict[str, int]:
+        """Every counter summed over all mounts of this cache directory, this one included."""
+        base = self.lifetime_base
+        return {name: base.get(name, 0) + getattr(self, name) for name in COUNTERS}
+
+    def lifetime_snapshot(self) -> dict:
+        out: dict = self.lifetime()
+        out["hit_ratio"] = _ratio(out["hit_ops"], out["read_ops"])
+        out["byte_hit_ratio"] = _ratio(out["hit_bytes"], out["read_bytes"])
+        out["since"] = self.lifetime_since
+        return out
 
     def snapshot(self) -> dict:
         out = {name: getattr(self, name) for name in COUNTERS}
-        out["hit_ratio"] = round(self.hit_ops / self.read_ops, 4) if self.read_ops else 0.0
-        out["byte_hit_ratio"] = (round(self.hit_bytes / self.read_bytes, 4)
-                                 if self.read_bytes else 0.0)
+        out["hit_ratio"] = _ratio(self.hit_ops, self.read_ops)
+        out["byte_hit_ratio"] = _ratio(self.hit_bytes, self.read_bytes)
         out["drops"] = {r: getattr(self, "drop_" + r) for r in DROP_REASONS}
         out["uptime_s"] = round(time.monotonic() - self.started_s, 1)
         return out
+
+
+def _ratio(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0

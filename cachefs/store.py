@@ -30,6 +30,10 @@ RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 #                data is kept only if BACKING still has INO at its path hint with the
 #                recorded identity; otherwise it was unlinked (and its number may now belong
 #                to a new file), and the data is discarded.
+#   lifetime.<counter>  (integer text) a stats counter summed over every mount of this cache
+#                directory up to its last save (each commit interval and unmount): the
+#                lifetime totals of `cachefs-ctl stats`; a missing key counts 0
+#   lifetime.since  (float text) wall time (epoch seconds) the lifetime totals started
 # files: one row per BACKING inode with cached data.
 #   ino          BACKING st_ino (also the FUSE inode number and the cache file's name)
 #   size, mtime_ns, ctime_ns   BACKING's identity when the extents below were valid; a file
@@ -86,6 +90,7 @@ class MetadataStore:
 
         Raises UserError if the database is corrupt or belongs to another BACKING.
         """
+        self._create_private()
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
@@ -122,12 +127,58 @@ class MetadataStore:
         self._db = db
         return clean
 
+    def _create_private(self) -> None:
+        """Create the database file 0600 (or make an existing one 0600) before SQLite opens
+        it: SQLite gives the -wal and -shm files the database file's mode, and the daemon
+        runs with umask 0. The file holds BACKING's paths and sizes."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         0o600)
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+            for suffix in ("-wal", "-shm"):
+                try:
+                    os.chmod(self.path + suffix, 0o600)
+                except FileNotFoundError:
+                    pass
+        except OSError as exc:
+            raise UserError(f"cannot open the metadata database {self.path} as a private "
+                            f"file: {exc.strerror}.") from None
+
     def set_meta(self, key: str, value: str) -> None:
         self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     def get_meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return row[0] if row else None
+
+    # -- lifetime totals (stats that span remounts; kept in meta, see the schema) --------
+
+    def load_lifetime(self) -> tuple[dict[str, int], float]:
+        """The saved lifetime totals and the wall time they started (now, for a new cache)."""
+        rows = self._db.execute("SELECT key, value FROM meta WHERE key LIKE 'lifetime.%'")
+        saved = {key[len("lifetime."):]: value for key, value in rows}
+        since = saved.pop("since", None)
+        totals = {}
+        for name, value in saved.items():
+            try:
+                totals[name] = int(value)
+            except ValueError:
+                continue                        # a damaged total restarts from 0
+        if since is None:
+            since = repr(time.time())
+            self.set_meta("lifetime.since", since)
+        return totals, float(since)
+
+    def save_lifetime(self, totals: dict[str, int]) -> None:
+        """Record the lifetime totals in one small transaction (no fsync: WAL, synchronous
+        NORMAL; a clean close makes them durable)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                 [(f"lifetime.{k}", str(v)) for k, v in totals.items()])
 
     def load(self) -> tuple[dict[int, tuple[int, int, int, bytes | None, int]],
                             list[tuple[int, int, int, int]]]:

@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cachefs-ctl", description="Inspect and steer a "
                                 "running cachefs mount.")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("stats", help="cache statistics")
+    s = sub.add_parser("stats", help="cache statistics: this mount's and lifetime totals")
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
@@ -95,6 +95,7 @@ def render(s: dict) -> str:
                    f"(limit {format_size(s['pinned_limit'])}); prefetched "
                    f"{format_size(s['prefetched_bytes'])}"),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']}"),
+        *_lifetime_rows(s.get("lifetime")),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -150,6 +151,26 @@ def _writeback_rows(s: dict) -> list[tuple[str, str]]:
                          f"{s['throttled_writes']} writes delayed "
                          f"{s['throttle_delay_s']:.1f} s in all"),
         ("conflicts", f"{s['conflicts']} (BACKING changed while dirty here)"),
+    ]
+
+
+def _lifetime_rows(t: dict | None) -> list[tuple[str, str]]:
+    """The totals over every mount of this cache directory (saved each commit interval)."""
+    if not t:
+        return []
+    since = time.strftime("%Y-%m-%d %H:%M", time.localtime(t["since"])) if t["since"] else "?"
+    return [
+        ("lifetime", f"since {since}, all mounts of this cache directory"),
+        ("  reads", f"{t['read_ops']} ops, {format_size(t['read_bytes'])}; hit ratio "
+                    f"{100 * t['hit_ratio']:.1f} % ({100 * t['byte_hit_ratio']:.1f} % of "
+                    "bytes)"),
+        ("  from SSD", f"{t['hit_ops']} ops, {format_size(t['hit_bytes'])}"),
+        ("  from BACKING", f"{t['miss_ops'] + t['bypass_ops']} ops, "
+                           f"{format_size(t['miss_bytes'] + t['bypass_bytes'])}"),
+        ("  writes", f"{t['write_ops']} ops, {format_size(t['write_bytes'])}; destaged "
+                     f"{format_size(t['destaged_bytes'])}"),
+        ("  promotions", f"{t['promotions']} (+{t['promotions_dropped']} dropped), "
+                         f"evictions {t['evictions']}, stale files {t['stale_files']}"),
     ]
 
 

@@ -55,11 +55,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if cfg.foreground:
         return _run_foreground(cfg)
     mnt.check_paths(cfg)
-    mnt.prepare_cache_dir(cfg)
+    mnt.prepare_cache_dir(cfg, data_files=False)       # the daemon walks data/ itself
     log_path = os.path.join(cfg.cache_dir, "cachefs.log")
     r, w = os.pipe()
     log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
-    with open(log_path, "ab") as log:
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.fchmod(log_fd, 0o600)                # private like the rest of the cache directory
+    with open(log_fd, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cachefs_cli.main", *config_to_argv(cfg)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(w,),

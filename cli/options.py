@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from cachefs.config import Config, default_cache_dir, parse_share, parse_size
@@ -55,23 +56,55 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
 
 def _number(value: str, what: str, kind=float) -> float:
     try:
-        return kind(value)
+        n = kind(value)
     except ValueError:
         raise UserError(f"{what} {value!r} is not a number.") from None
+    if not math.isfinite(n):
+        raise UserError(f"{what} {value!r} is not a finite number.")
+    return n
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Merge flags and -o options into a Config; raises UserError on a bad value."""
-    values = {k: getattr(args, k) for k in _O_NAMES.values() if getattr(args, k, None)}
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _gather(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
+    """cachefs values from flags and -o (each named once, none empty) and the FUSE options.
+
+    Raises UserError for an empty value (`--mode ''`, `-o mode=`) and for a cachefs option
+    given twice in -o or both as a flag and in -o: silently picking one would mount with a
+    setting the operator did not mean.
+    """
+    values: dict[str, str] = {}
+    for key in _O_NAMES.values():
+        value = getattr(args, key, None)
+        if value is not None:
+            if not value.strip():
+                raise UserError(f"{_flag(key)} needs a value.")
+            values[key] = value
     fuse = []
     for group in args.options:
         for opt in filter(None, group.split(",")):
             name, _, value = opt.partition("=")
             key = _O_NAMES.get(name.replace("-", "_"))
             if key:
-                values.setdefault(key, value)
+                if not value.strip():
+                    raise UserError(f"-o {name} needs a value ({name}=...).")
+                if key in values:
+                    raise UserError(f"{_flag(key)} is given twice (-o {name}={value} and "
+                                    f"{values[key]!r}); give it once.")
+                values[key] = value
             elif name not in _IGNORED and not name.startswith(("x-", "comment=")):
                 fuse.append(opt)
+    return values, fuse
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Merge flags and -o options into a Config; raises UserError on a bad value."""
+    values, fuse = _gather(args)
+    for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
+        if not path.strip():
+            raise UserError(f"{what} is empty; give a directory.")
     backing = os.path.abspath(args.backing)
     kw = dict(
         backing=backing,

@@ -14,6 +14,7 @@ import shutil
 import sqlite3
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -259,6 +260,110 @@ def test_invalid_option_values(env, fg, args, needles):
     res = env.mount(*args, fg=fg)
     assert_sentence(res, *needles, fg=fg)
     assert not env.cache.exists()                             # refused before any side effect
+    env.assert_nothing_left()
+
+
+# Values that used to be accepted and silently replaced by a default or by one of two
+# settings (`--mode ''` mounted write-through, `-o mode=a,mode=b` took the first, a NaN
+# --max-dirty-age never destaged): each is now refused with exit status 2.
+@pytest.mark.parametrize("args,needles", [
+    (["--mode", ""], ["--mode", "needs a value"]),
+    (["-o", "mode="], ["-o mode", "needs a value"]),
+    (["-o", "mode"], ["-o mode", "needs a value"]),
+    (["--mode", " "], ["--mode", "needs a value"]),
+    (["--eviction", ""], ["--eviction", "needs a value"]),
+    (["--cache-size", ""], ["--cache-size", "needs a value"]),
+    (["-o", "cache_size="], ["-o cache_size", "needs a value"]),
+    (["--sequential-cutoff", ""], ["--sequential-cutoff", "needs a value"]),
+    (["--max-dirty-age", "-1"], ["--max-dirty-age", "positive"]),
+    (["--max-dirty-age", "nan"], ["--max-dirty-age", "nan", "finite"]),
+    (["--attr-timeout", "inf"], ["--attr-timeout", "inf", "finite"]),
+    (["--attr-timeout", "-0.5"], ["timeouts", "positive"]),
+    (["--backing-timeout", "-3"], ["timeouts", "positive"]),
+    (["--promote-after", "-2"], ["--promote-after"]),
+    (["--dirty-high=-1M"], ["--dirty-high", "-1M", "not a size"]),
+    (["--cache-size=-64M"], ["--cache-size", "-64M", "not a size"]),
+    (["-o", "mode=write-back,mode=write-through"], ["--mode", "given twice"]),
+    (["-o", "mode=write-back", "-o", "mode=write-back"], ["--mode", "given twice"]),
+    (["--mode", "write-back", "-o", "mode=write-through"], ["--mode", "given twice"]),
+    (["-o", "cache_size=64M,cache-size=32M"], ["--cache-size", "given twice"]),
+], ids=["mode-empty", "o-mode-empty", "o-mode-bare", "mode-blank", "eviction-empty",
+        "size-empty", "o-size-empty", "cutoff-empty", "dirty-age-negative", "dirty-age-nan",
+        "attr-timeout-inf", "attr-timeout-negative", "backing-timeout-negative",
+        "promote-negative", "dirty-high-negative", "size-negative", "o-mode-twice",
+        "o-mode-twice-same", "mode-flag-and-o", "o-size-twice"])
+@BOTH
+def test_empty_negative_and_repeated_values(env, fg, args, needles):
+    res = env.mount(*args, fg=fg)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert_sentence(res, *needles, fg=fg)
+    assert not env.cache.exists()                             # refused before any side effect
+    env.assert_nothing_left()
+
+
+@BOTH
+def test_empty_cache_dir_is_refused(env, fg):
+    for args in (["--cache-dir", ""], ["-o", "cache_dir="]):
+        res = env.mount(*args, cache=False, fg=fg)
+        assert res.returncode == 2, (args, res.returncode, res.stderr)
+        assert_sentence(res, "cache", "needs a value", fg=fg)
+        env.assert_nothing_left()
+
+
+@BOTH
+def test_empty_backing_or_mountpoint_is_refused(env, fg):
+    for kw, what in (({"backing": ""}, "BACKING"), ({"mnt": ""}, "MOUNTPOINT")):
+        res = env.mount(fg=fg, **kw)
+        assert res.returncode == 2, (kw, res.returncode, res.stderr)
+        assert_sentence(res, what, "empty", fg=fg)
+        env.assert_nothing_left()
+
+
+@BOTH
+def test_backing_inside_the_cache_dir(env, fg):
+    cache = env.tmp / "ssd"
+    backing = cache / "slow"
+    backing.mkdir(parents=True)
+    (backing / "f").write_bytes(b"data")
+    res = env.mount(backing=backing, cache=cache, fg=fg)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert_sentence(res, f"BACKING {backing} is inside the cache directory {cache}", fg=fg)
+    assert sorted(p.name for p in cache.iterdir()) == ["slow"]   # nothing written there
+    assert [p.name for p in backing.iterdir()] == ["f"]
+    env.assert_nothing_left(cache=cache)
+
+
+@BOTH
+def test_mountpoint_inside_the_cache_dir(env, fg):
+    cache = env.tmp / "ssd"
+    mnt = cache / "view"
+    mnt.mkdir(parents=True)
+    res = env.mount(mnt=mnt, cache=cache, fg=fg)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert_sentence(res, f"MOUNTPOINT {mnt} is inside the cache directory {cache}", fg=fg)
+    assert sorted(p.name for p in cache.iterdir()) == ["view"]
+    env.assert_nothing_left(mnt=mnt, cache=cache)
+
+
+@BOTH
+@pytest.mark.parametrize("which", ["BACKING", "MOUNTPOINT"])
+def test_cache_dir_is_backing_or_mountpoint(env, fg, which):
+    target = env.backing if which == "BACKING" else env.mnt
+    (env.backing / "f").write_bytes(b"data")
+    res = env.mount(cache=target, fg=fg)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert_sentence(res, str(target), f"is {which} itself", fg=fg)
+    assert [p.name for p in env.backing.iterdir()] == ["f"]
+    assert list(env.mnt.iterdir()) == []
+    env.assert_nothing_left(cache=target)
+
+
+def test_helper_refuses_an_empty_mode(env):
+    res = run([sys.executable, "-m", "cachefs_cli.mount_helper", str(env.backing), str(env.mnt),
+               "-o", f"cache_dir={env.cache},mode="])
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert_sentence(res, "-o mode", "needs a value")
+    assert not env.cache.exists()
     env.assert_nothing_left()
 
 
