@@ -129,7 +129,7 @@ def prepare_cache_dir(cfg: Config, data_files: bool = True) -> None:
 # Files of the cache directory besides data/ (SQLite gives -wal and -shm the mode of the
 # database file, so that one is created 0600 before SQLite opens it: see MetadataStore).
 PRIVATE_FILES = ("cachefs.db", "cachefs.db-wal", "cachefs.db-shm", "cachefs.log", "lock",
-                 "doubt.log", "doubt.log.prev", "control.sock")
+                 "doubt.log", "doubt.log.prev", "control.sock", "reserve")
 
 
 def make_private(cache_dir: str, data_files: bool = True) -> None:
