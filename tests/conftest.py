@@ -212,3 +212,24 @@ def flush_all(m: Mount) -> None:
     """`cachefs-ctl flush`, then no dirty byte is left."""
     ctl_flush(m)
     assert m.stats()["dirty_bytes"] == 0
+
+
+@pytest.fixture
+def make_tmpfs(tmp_path):
+    """Factory: make_tmpfs(size) mounts a tmpfs of that size (a small cache filesystem) and
+    returns its path; every one is unmounted at the end, also on failure."""
+    made: list[Path] = []
+
+    def make(size: str) -> Path:
+        where = tmp_path / f"tmpfs{len(made)}"
+        where.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       check=True)
+        made.append(where)
+        return where
+
+    try:
+        yield make
+    finally:
+        for where in made:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)

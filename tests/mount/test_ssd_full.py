@@ -15,17 +15,6 @@ pytestmark = pytest.mark.fuse
 MiB = 1 << 20
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    where = tmp_path / "ssd"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(where)], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def fill_up(path):
     """Another tenant takes every free byte of the filesystem."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -53,10 +42,11 @@ def read_direct(path) -> bytes:
         os.close(fd)
 
 
-def test_full_cache_filesystem_keeps_the_mount(make_mount, tiny_fs, mode):
+def test_full_cache_filesystem_keeps_the_mount(make_mount, make_tmpfs, mode):
     m = make_mount("--mode", mode, "--cache-size", "24M", "--dirty-high", "8M",
                    "--dirty-low", "4M", "--sequential-cutoff", "0")
     m.stop()
+    tiny_fs = make_tmpfs("32m")           # the cache filesystem
     m.cache = tiny_fs / "cache"
     model = {name: bytearray(os.urandom(12 * MiB)) for name in ("a", "b")}
     for name, data in model.items():

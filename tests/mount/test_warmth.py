@@ -18,18 +18,6 @@ pytestmark = pytest.mark.fuse
 MiB = 1 << 20
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 48 MiB tmpfs to hold the cache directory (a small cache filesystem)."""
-    where = tmp_path / "cachefs-fs"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(where)], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def random_reads(path, size, count, rng):
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
@@ -40,10 +28,10 @@ def random_reads(path, size, count, rng):
         os.close(fd)
 
 
-def test_default_pool_keeps_every_extent_across_remount(make_mount, small_fs):
+def test_default_pool_keeps_every_extent_across_remount(make_mount, make_tmpfs):
     m = make_mount()                      # default --cache-size: keep the filesystem 10 % free
     m.stop()
-    m.cache = small_fs / "cache"          # the cache directory on the small filesystem
+    m.cache = make_tmpfs("48m") / "cache"     # the cache directory on a small filesystem
     data = os.urandom(30 * MiB)
     (m.backing / "f").write_bytes(data)
     m.start()
@@ -83,6 +71,15 @@ def test_threshold_zero_keeps_admission(make_mount):
     assert m.stats()["promotions"] == 0
 
 
+def cached_file(m, data) -> None:
+    """BACKING file `f` with `data`, read through the mount until every extent is cached
+    (twice: cached with or without --promote-all-below)."""
+    (m.backing / "f").write_bytes(data)
+    for _ in range(2):
+        assert m.path("f").read_bytes() == data
+    wait_until(lambda: m.stats()["extents_cached"] == len(data) // 65536, 30, what="cached")
+
+
 def _hammer(path, size, seconds, model, lock, seed):
     rng = random.Random(seed)
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
@@ -110,10 +107,7 @@ def test_own_writes_and_metadata_changes_are_not_outside_changes(make_mount, mod
     m = make_mount("--mode", mode, "--attr-timeout", "0", "--sequential-cutoff", "0")
     size = 8 * MiB
     data = bytearray(os.urandom(size))
-    (m.backing / "f").write_bytes(data)
-    for _ in range(2):                  # cached with or without --promote-all-below
-        assert m.path("f").read_bytes() == data
-    wait_until(lambda: m.stats()["extents_cached"] == size // 65536, 30, what="cached")
+    cached_file(m, data)
     lock = threading.Lock()
     threads = [threading.Thread(target=_hammer, args=(m.path("f"), size, 3, data, lock, i))
                for i in range(4)]
@@ -160,10 +154,7 @@ def test_outside_change_after_own_writes_is_seen(make_mount, mode):
     m = make_mount("--mode", mode, "--attr-timeout", "0", "--sequential-cutoff", "0")
     size = 2 * MiB
     data = bytearray(os.urandom(size))
-    (m.backing / "f").write_bytes(data)
-    for _ in range(2):                  # cached with or without --promote-all-below
-        assert m.path("f").read_bytes() == data
-    wait_until(lambda: m.stats()["extents_cached"] == size // 65536, 30, what="cached")
+    cached_file(m, data)
     with open(m.path("f"), "r+b") as f:
         for off in range(0, size, 256 * 1024):
             f.seek(off)
