@@ -88,13 +88,18 @@ def render(s: dict) -> str:
         ("  sequential bypass", f"{s['bypass_ops']} ops, {format_size(s['bypass_bytes'])}"),
         ("writes", f"{s['write_ops']} ops, {format_size(s['write_bytes'])}"),
         *_writeback_rows(s),
-        ("promotions", f"{s['promotions']} (+{s['promotions_dropped']} dropped), "
-                       f"evictions {s['evictions']}"),
+        ("promotions", f"{s['promotions']} (+{s['promotions_dropped']} dropped, "
+                       f"{s.get('promotion_waits', 0)} waited), evictions {s['evictions']}"),
         ("coherence", f"{s['stale_files']} files changed behind the cache"),
+        ("dropped extents", ", ".join(f"{reason.replace('_', ' ')} {n}"
+                                      for reason, n in s.get("drops", {}).items())),
         ("pinned", f"{s['pinned_files']} files, {format_size(s['pinned_bytes'])} resident "
                    f"(limit {format_size(s['pinned_limit'])}); prefetched "
                    f"{format_size(s['prefetched_bytes'])}"),
-        ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']}"),
+        ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']} (full "
+                   f"{s.get('cache_full_events', 0)}), metadata commits "
+                   f"{s.get('metadata_errors', 0)}; writes around the cache "
+                   f"{s.get('writes_around', 0)}"),
         *_lifetime_rows(s.get("lifetime")),
     ]
     width = max(len(k) for k, _ in rows)
