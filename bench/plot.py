@@ -137,6 +137,49 @@ def _burst(results: dict, path: str) -> tuple[bool, str]:
     return True, note
 
 
+def _warming(results: dict, path: str) -> bool:
+    w = (results.get("warming") or {}).get("warming") or {}
+    if "cachefs" not in w:
+        return False
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 2]})
+    for key, color, label in (("cachefs", COLOR["write-through"], "cachefs (fresh mount)"),
+                              ("backing", COLOR["backing"], "BACKING (slowfs) alone")):
+        if key in w:
+            pts = w[key]["iops_per_s"]
+            ax.plot([t for t, _ in pts], [v for _, v in pts], "-", color=color, label=label)
+    c = w["cachefs"]
+    if c.get("warm_iops"):
+        ax.axhline(0.9 * c["warm_iops"], color="#1f77b4", ls=":",
+                   label=f"90 % of warm IOPS ({0.9 * c['warm_iops']:,.0f})")
+    if c.get("t90_first_s") is not None:
+        ax.axvline(c["t90_first_s"], color="#1f77b4", ls="--",
+                   label=f"reached at {c['t90_first_s']:.0f} s")
+    ax.axvline(w["target_s"], color="red", ls="--", label=f"target {w['target_s']:.1f} s")
+    ax.set_ylabel("IOPS (fio, 1 s averages)")
+    ax.set_title("Warming: 4 KiB random reads QD 32 on a fresh mount over a "
+                 f"{results['settings']['size'] // 2**20} MiB file")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    polls = [p for p in c.get("polls", []) if p.get("hit_ratio") is not None]
+    ax2.plot([p["t"] for p in polls], [p["hit_ratio"] for p in polls], color="#2ca02c",
+             label="cachefs hit ratio per second")
+    ax2.set_ylim(0, 1.02)
+    ax2.set_ylabel("hit ratio")
+    ax2.set_xlabel("seconds since fio started")
+    ax3 = ax2.twinx()
+    ax3.plot([p["t"] for p in polls], [p.get("backing_mbs", 0) for p in polls], color="#888888",
+             ls="-", alpha=0.7, label="BACKING MB/s read (slowfs)")
+    ax3.set_ylabel("BACKING MB/s")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8, loc="center left")
+    ax3.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def make_all(results: dict, img_dir: str) -> dict:
     os.makedirs(img_dir, exist_ok=True)
     out = {}
@@ -152,6 +195,8 @@ def make_all(results: dict, img_dir: str) -> dict:
     if "write-burst" in (results.get("rows") or {}):
         ok, note = _burst(results, os.path.join(img_dir, "bench-write-burst.png"))
         out["burst"] = ("bench-write-burst.png" if ok else None, note)
+    if _warming(results, os.path.join(img_dir, "bench-warming.png")):
+        out["warming"] = ("bench-warming.png", "warming: IOPS and hit ratio per second")
     return out
 
 

@@ -51,6 +51,7 @@ REPO = os.path.dirname(BENCH)
 JOBS = os.path.join(BENCH, "jobs")
 sys.path.insert(0, BENCH)
 import slowfs_client  # noqa: E402
+import warming  # noqa: E402
 
 CACHEFS = [sys.executable, "-m", "cachefs_cli.main"]
 CTL = [sys.executable, "-m", "cachefs_cli.ctl"]
@@ -92,7 +93,7 @@ WORKLOADS = [
     Workload("seq-read-1m-warm", "seq-read-1m.fio", "passes", timed=False),
     Workload("write-burst", "write-burst.fio", "none", timed=False, quick=True),
 ]
-EXTRA = ("density",)            # not a fio workload row: the density experiment
+EXTRA = ("density",) + warming.NAMES   # not fio workload rows: density, warming (issue 9)
 
 
 @dataclass
@@ -360,6 +361,8 @@ class Probes:
                  if isinstance(cb[k], int) and isinstance(ca.get(k), int) and k != "pid"}
             out["cachefs"] = d
             out["hit_ratio"] = d["hit_ops"] / d["read_ops"] if d.get("read_ops") else None
+            out["drops"] = {k: v - ca.get("drops", {}).get(k, 0)
+                            for k, v in cb.get("drops", {}).items()}
         return out
 
 
@@ -510,10 +513,27 @@ class Bench:
                     poller.drain_and_stop(timeout_s=300 if not st.quick else 60)
             if wl.name == "write-burst":
                 res["timeline"] = self.burst_timeline(f"{bwlog}_bw.1.log", poller)
+            if cmnt:
+                res["mount_drops"] = self.mount_drops(cmnt, target)
             return res
         finally:
             mounts.close()
             shutil.rmtree(p["dir"], ignore_errors=True)
+
+    @staticmethod
+    def mount_drops(mnt: str, target: str) -> dict:
+        """Cached data dropped over the whole life of the mount (warm-up included), after
+        one more open and read of the file (the next open is where BACKING's identity is
+        checked again): drops by reason, stale_files, conflicts (issue 9: 0 coherence drops
+        when nobody else touches BACKING)."""
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.pread(fd, 4096, 0)
+        finally:
+            os.close(fd)
+        s = ctl_stats(mnt)
+        return {**s.get("drops", {}), "stale_files": s.get("stale_files"),
+                "conflicts": s.get("conflicts")}
 
     @staticmethod
     def burst_timeline(bwlog: str, poller: "Poller | None") -> dict:
@@ -674,7 +694,8 @@ def run(st: Settings, out: str, argv: list[str]) -> dict:
         results["write_back"] = wb[1]
         bench = Bench(st, work, out, wb)
         bench.make_master()
-        names = st.only or [w.name for w in WORKLOADS if w.quick or not st.quick] + ["density"]
+        names = st.only or ([w.name for w in WORKLOADS if w.quick or not st.quick] + ["density"]
+                            + ([] if st.quick else list(warming.NAMES)))
         for wl in WORKLOADS:
             if wl.name not in names:
                 continue
@@ -691,6 +712,8 @@ def run(st: Settings, out: str, argv: list[str]) -> dict:
                     log(f"  {r['iops']:.0f} IOPS, {r['mbs']:.1f} MB/s, mean {r['mean_ms']:.2f} ms"
                         + (f", hits {r['hit_ratio']:.3f}" if r.get("hit_ratio") is not None
                            else ""))
+        if any(n in names for n in warming.NAMES):
+            results["warming"] = warming.run_all(bench, sys.modules[__name__], names)
         if "density" in names:
             for system in ("backing", "write-through", "write-back"):
                 log(f"density / {system}")
@@ -719,7 +742,17 @@ def pair(a, b, fmt="{:.2f}") -> str:
 
 COLUMNS = ["workload", "system", "IOPS", "MB/s", "read / write IOPS", "mean lat ms",
            "read / write mean ms", "read / write p99 ms", "x BACKING", "x raw",
-           "BACKING MiB", "hit ratio", "daemon CPU %"]
+           "BACKING MiB", "hit ratio", "daemon CPU %", "coherence drops"]
+
+
+def coherence_cell(r: dict) -> str:
+    """'window / mount' coherence drops (+ stale files, conflicts if any) of a cachefs row."""
+    md = r.get("mount_drops")
+    if md is None:
+        return "-"
+    cell = f"{(r.get('drops') or {}).get('coherence', '-')} / {md.get('coherence', '-')}"
+    extra = [f"{k} {md[k]}" for k in ("stale_files", "conflicts") if md.get(k)]
+    return cell + (f" ({', '.join(extra)})" if extra else "")
 
 
 def table(results: dict) -> str:
@@ -743,7 +776,7 @@ def table(results: dict) -> str:
                      f_num(r["backing_bytes"] / MiB if "backing_bytes" in r else None,
                            "{:,.0f}"),
                      f_num(r.get("hit_ratio"), "{:.3f}"),
-                     f_num(r.get("cpu_pct"), "{:.0f}")]
+                     f_num(r.get("cpu_pct"), "{:.0f}"), coherence_cell(r)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -870,7 +903,11 @@ def markdown(results: dict, plots: dict[str, str], img_prefix: str) -> str:
         "measured window; hit ratio = cachefs `hit_ops / read_ops` delta over the window; "
         "daemon CPU = utime+stime of the daemon serving the row (cachefs, or slowfs for "
         "BACKING, or passthrough.py) over the window, in % of one CPU. Warm-up: 64 KiB random "
-        "reads over the whole file until a pass is >= 95 % hits (bench/jobs/warmup.fio).",
+        "reads over the whole file until a pass is >= 95 % hits (bench/jobs/warmup.fio). "
+        "coherence drops = cached extents cachefs dropped because BACKING looked changed "
+        "(`cachefs-ctl stats --json` drops.coherence): in the measured window / over the whole "
+        "mount, warm-up included, after one more open and read of the file; stale files and "
+        "conflicts are shown when not 0. Nobody else touches BACKING here, so all should be 0.",
         "",
         table(results),
         "",
@@ -895,6 +932,8 @@ def markdown(results: dict, plots: dict[str, str], img_prefix: str) -> str:
                   f"rate {rate / 1e6:.1f} MB/s; dirty data reached zero "
                   + (f"{drain:.1f} s after the writer finished." if drain is not None else
                      "not within the wait (see results.json)."), ""]
+    if results.get("warming"):
+        parts += [warming.markdown(results["warming"]), ""]
     dt = density_table(results)
     if dt:
         parts += ["### Density",

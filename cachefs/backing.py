@@ -20,6 +20,7 @@ import trio
 
 from . import aio
 from .errors import BackingTimeout
+from .statx import fresh_fstat
 
 _ABANDON_KW = ("abandon_on_cancel" if "abandon_on_cancel"
                in inspect.signature(trio.to_thread.run_sync).parameters else "cancellable")
@@ -61,7 +62,7 @@ def _pwrite_stat(fd: int, direct_fd: int, data: bytes, off: int
     """Write all of `data` at `off`, then fstat: one thread hop. An aligned write goes as
     asynchronous direct I/O, so writes to one file of a FUSE BACKING can overlap."""
     aio.pwrite_all(fd, direct_fd, [(data, off)])
-    return len(data), os.fstat(fd)
+    return len(data), fresh_fstat(fd)        # not the kernel's cached attributes (issue 9)
 
 
 # -- paths: relative to a descriptor of BACKING's root ----------------------------------------

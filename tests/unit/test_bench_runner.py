@@ -27,7 +27,7 @@ pytestmark = [
 
 COLUMNS = ["workload", "system", "IOPS", "MB/s", "read / write IOPS", "mean lat ms",
            "read / write mean ms", "read / write p99 ms", "x BACKING", "x raw",
-           "BACKING MiB", "hit ratio", "daemon CPU %"]
+           "BACKING MiB", "hit ratio", "daemon CPU %", "coherence drops"]
 
 
 def mounted_under(prefix: str) -> list[str]:
@@ -69,6 +69,7 @@ def test_quick_runner_table(tmp_path):
     assert wb["IOPS"].startswith("n/a") or num(wb["IOPS"]) > 0, wb
     wt = rows["cachefs write-through"]
     assert num(wt["hit ratio"]) >= 0.9              # warmed before measuring
+    assert wt["coherence drops"] == "0 / 0"         # nobody else touches BACKING (issue 9)
     assert num(rows["BACKING (slowfs)"]["x BACKING"]) == 1.0
     assert num(rows["raw cache dir"]["x raw"]) == 1.0
     assert num(rows["BACKING (slowfs)"]["BACKING MiB"]) > 0
