@@ -30,7 +30,7 @@ import trio
 from .backing import Backing, open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
-from .control import ControlServer
+from .control import ControlServer, socket_path
 from .errors import CommandFailed, UserError
 from .fs import Operations
 from .inodes import InodeTable
@@ -286,7 +286,7 @@ class Daemon:
         self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s,
                                open_root(cfg.backing))
         self.store = MetadataStore(cfg.cache_dir)
-        self.control_path = os.path.join(cfg.cache_dir, "control.sock")
+        self.control_path = socket_path(cfg.cache_dir, cfg.stats_group)
         self.clean_start = True
         self._lifetime_saved: dict[str, int] | None = {}     # None after a failed save
         self.cache: Cache | None = None
@@ -400,7 +400,7 @@ class Daemon:
         control = ControlServer(self.control_path, {
             "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd,
             "flush": self.flush_cmd, "prefetch": self.prefetch_cmd, "pin": self.pin_cmd,
-            "unpin": self.unpin_cmd})
+            "unpin": self.unpin_cmd}, group=self.cfg.stats_group)
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
