@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from .errors import CommandFailed
+from .oplog import RateLimitedLog
 
 log = logging.getLogger("cachefs.control")
 
@@ -64,6 +65,7 @@ class ControlServer:
         self._handlers = handlers
         self._gid = None if group is None else group_id(group)
         self._owner = os.geteuid()
+        self._limited = RateLimitedLog(log)          # a refused user may loop
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -85,6 +87,7 @@ class ControlServer:
         try:
             await trio.serve_listeners(self._serve, [listener])
         finally:
+            self._limited.flush()
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -108,8 +111,9 @@ class ControlServer:
                 return
             refusal = self._refusal(request["cmd"], stream)
             if refusal:
-                log.info("refused %s from uid %s over the control socket", request["cmd"],
-                         refusal[1])
+                self._limited.warning(("refused", refusal[1]), "refused %s from uid %d: it "
+                                      "changes the cache, which only root and the mount's "
+                                      "owner may", request["cmd"], refusal[1])
                 await _send(stream, {"ok": False, "error": refusal[0]})
                 return
 

@@ -27,6 +27,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
+from . import oplog
 from .backing import Backing, open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
@@ -428,8 +429,7 @@ class Daemon:
                 nursery.start_soon(self._signals)
                 ready(None)
                 sd_notify("READY=1")
-                log.info("mounted %s on %s (%s)", self.cfg.backing, self.cfg.mountpoint,
-                         self.cfg.mode)
+                log.info("%s", oplog.mount_line(self.snapshot()))
                 await _fuse_main()
                 nursery.cancel_scope.cancel()
         finally:
@@ -445,6 +445,7 @@ class Daemon:
                     log.error("the last metadata commit failed (%s); the next mount "
                               "recovers as after a crash", exc)
             self._save_lifetime()
+            summary = oplog.unmount_line(self.snapshot())
             try:
                 self.store.close(clean=clean)
             except sqlite3.Error as exc:
@@ -452,7 +453,7 @@ class Daemon:
                 log.error("closing the metadata database failed (%s); the next mount "
                           "recovers as after a crash", exc)
             if clean:
-                log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
+                log.info("%s", summary)
 
     async def _run_lifetime_saver(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Save the lifetime totals every commit interval in which a counter moved (a

@@ -119,6 +119,12 @@ def test_stats_group_reads_and_is_refused_changes(public_mount):
     assert "no permission to talk to the cachefs daemon" in other.stderr
     m.stop()
     wait_until(lambda: not os.path.exists(control), 5, what="the socket to go")
+    log = m.logs[-1].read_text()            # one line per minute and user, then the count
+    log = "\n".join(ln for ln in log.splitlines() if "refused" in ln)
+    assert log.count("refused") == 2, log
+    assert "refused flush from uid 65534: it changes the cache" in log
+    assert "refused pin from uid 65534: it changes the cache, which only root and the " \
+           "mount's owner may (and 2 similar lines suppressed)" in log
 
 
 def test_without_stats_group_only_root_reads(public_mount):
