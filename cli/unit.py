@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from typing import Callable
 
 from cachefs.errors import UserError
 
@@ -210,16 +211,23 @@ def install(args: argparse.Namespace, out=print) -> int:
         out(f"--root {root}: systemctl left alone; on that system run: systemctl "
             f"daemon-reload && systemctl enable {'--now ' if args.now else ''}{unit}")
         return 0
-    if not systemd_running():
+    return activate(unit, args.now, out)
+
+
+def activate(unit: str, now: bool, out=print, run=subprocess.run,
+             booted: Callable[[], bool] = systemd_running) -> int:
+    """systemctl daemon-reload and enable [--now] UNIT if systemd runs here; otherwise say
+    what to run once it does. Returns the exit status."""
+    if not booted():
         out(f"systemd is not running here, so {unit} is not enabled; once it is, run: "
             f"systemctl daemon-reload && systemctl enable --now {unit}")
         return 0
     for cmd in (["systemctl", "daemon-reload"],
-                ["systemctl", "enable", *(["--now"] if args.now else []), unit]):
-        res = subprocess.run(cmd, capture_output=True, text=True)
+                ["systemctl", "enable", *(["--now"] if now else []), unit]):
+        res = run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             out(f"{' '.join(cmd)} failed (status {res.returncode}): {res.stderr.strip()}")
             return 1
-    out(f"enabled {unit}" + (" and started it" if args.now else
+    out(f"enabled {unit}" + (" and started it" if now else
                              f"; start it with systemctl start {unit}"))
     return 0

@@ -133,3 +133,28 @@ def test_install_unit_refuses_a_second_unit_for_a_mountpoint(tmp_path, dirs):
     res = install(tmp_path, "two", str(backing), str(mnt))
     assert res.returncode == 2
     assert f"{mnt} is already the MOUNTPOINT of cachefs@one" in res.stderr
+
+
+def test_activate_runs_systemctl_only_where_systemd_runs():
+    said, ran = [], []
+
+    def run(cmd, **kw):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    assert unit.activate("cachefs@a.service", True, said.append, run, lambda: False) == 0
+    assert ran == [] and said == ["systemd is not running here, so cachefs@a.service is not "
+                                  "enabled; once it is, run: systemctl daemon-reload && "
+                                  "systemctl enable --now cachefs@a.service"]
+    said.clear()
+    assert unit.activate("cachefs@a.service", True, said.append, run, lambda: True) == 0
+    assert ran == [["systemctl", "daemon-reload"],
+                   ["systemctl", "enable", "--now", "cachefs@a.service"]]
+    assert said == ["enabled cachefs@a.service and started it"]
+
+    def failing(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "Failed to connect to bus")
+
+    said.clear()
+    assert unit.activate("cachefs@a.service", False, said.append, failing, lambda: True) == 1
+    assert said == ["systemctl daemon-reload failed (status 1): Failed to connect to bus"]
