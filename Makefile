@@ -4,7 +4,7 @@
 PYTHON ?= python3
 export PIP_BREAK_SYSTEM_PACKAGES = 1
 export PIP_ROOT_USER_ACTION = ignore
-DEB_PACKAGES = fuse3 libfuse3-dev pkg-config fio gcc python3-dev python3-pip
+DEB_PACKAGES = fuse3 libfuse3-dev pkg-config fio gcc python3-dev python3-pip systemd
 
 .PHONY: install deps demo demo-stop test bench bench-quick
 

@@ -74,6 +74,7 @@ class Config:
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted
     max_pinned_pct: float = 50.0          # share of the pool `cachefs-ctl pin` may hold
+    stats_group: str | None = None        # group that may read stats (cachefs-ctl stats, top)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -97,8 +98,21 @@ class Config:
             raise UserError("--dirty-low must be below --dirty-high.")
         if self.max_dirty_age_s <= 0:
             raise UserError("--max-dirty-age must be a positive number of seconds.")
+        if self.stats_group is not None:
+            _check_stats_group(self.stats_group)
         if self.attr_timeout_s < 0 or self.entry_timeout_s < 0 or self.backing_timeout_s <= 0:
             raise UserError("timeouts must be positive numbers of seconds.")
+
+
+def _check_stats_group(group: str) -> None:
+    import grp
+    try:
+        grp.getgrgid(int(group)) if group.isdigit() else grp.getgrnam(group)
+    except KeyError:
+        raise UserError(f"--stats-group {group!r}: there is no such group.") from None
+    if os.geteuid() != 0:
+        raise UserError("--stats-group needs a mount run by root (its socket goes to "
+                        "/run/cachefs).")
 
 
 def parse_share(text: str, what: str) -> float:

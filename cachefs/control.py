@@ -1,47 +1,93 @@
-"""The control channel used by `cachefs-ctl`: JSON lines over a Unix socket in the cache dir.
+"""The control channel used by `cachefs-ctl`: JSON lines over a Unix socket.
 
-Owns the socket server only; what a command does is a handler given by `mount.py`. A request
-is one line `{"cmd": NAME, ...}`; the answer is one line `{"ok": true, ...}` or
-`{"ok": false, "error": SENTENCE}`. Long commands may send progress lines
-(`{"progress": {...}}`) before the answer.
+Owns the socket server, where it lives and who may do what; what a command does is a handler
+given by `mount.py`. A request is one line `{"cmd": NAME, ...}`; the answer is one line
+`{"ok": true, ...}` or `{"ok": false, "error": SENTENCE}`. Long commands may send progress
+lines (`{"progress": {...}}`) before the answer.
+
+Access: the socket is `control.sock` in the private cache directory (0600), or, with
+`--stats-group GROUP`, `/run/cachefs/<cache dir name>-<hash>.sock` with mode 0660 and that
+group, so the group's members can read statistics without root. Whoever can connect may run
+the read-only commands (READ_ONLY); every other command (flush, drop, pin, ...) changes state
+and is for root or the mount's owner only, checked on the peer's credentials (SO_PEERCRED).
 """
 
 from __future__ import annotations
 
+import grp
+import hashlib
 import json
 import logging
 import os
+import socket
+import struct
 from typing import Any, Awaitable, Callable
 
 import trio
 
 from .errors import CommandFailed
+from .oplog import RateLimitedLog
 
 log = logging.getLogger("cachefs.control")
 
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[dict]]
 MAX_REQUEST = 64 * 1024
+READ_ONLY = frozenset({"stats", "pid"})      # commands anyone who can connect may run
+RUN_DIR = "/run/cachefs"                     # sockets shared with a --stats-group
+
+
+def socket_path(cache_dir: str, stats_group: str | None) -> str:
+    """Where the control socket of the mount of `cache_dir` lives: in the private cache
+    directory, or in RUN_DIR (reachable by others) when a stats group may use it."""
+    if stats_group is None:
+        return os.path.join(cache_dir, "control.sock")
+    real = os.path.realpath(cache_dir)
+    tag = hashlib.sha256(real.encode()).hexdigest()[:10]
+    return os.path.join(RUN_DIR, f"{os.path.basename(real)[-40:]}-{tag}.sock")
+
+
+def group_id(group: str) -> int:
+    """The gid of a group name or number; KeyError if there is no such group."""
+    return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
+def peer_uid(sock) -> int:
+    """The uid of the process at the other end of a connected Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
 class ControlServer:
-    def __init__(self, path: str, handlers: dict[str, Handler]):
+    def __init__(self, path: str, handlers: dict[str, Handler], group: str | None = None):
+        """Serve `handlers` on the socket `path`; with `group` (a name or gid), the socket
+        is 0660 for that group (its directory must let the group reach it)."""
         self.path = path
         self._handlers = handlers
+        self._gid = None if group is None else group_id(group)
+        self._owner = os.geteuid()
+        self._limited = RateLimitedLog(log)          # a refused user may loop
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._gid is not None:
+            os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        await sock.bind(self.path)
-        os.chmod(self.path, 0o600)
+        await sock.bind(self.path)               # nobody can connect before listen()
+        if self._gid is None:
+            os.chmod(self.path, 0o600)
+        else:
+            os.chown(self.path, -1, self._gid)
+            os.chmod(self.path, 0o660)
         sock.listen(16)
         listener = trio.SocketListener(sock)
         task_status.started()
         try:
             await trio.serve_listeners(self._serve, [listener])
         finally:
+            self._limited.flush()
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -62,6 +108,13 @@ class ControlServer:
                 handler = self._handlers[request["cmd"]]
             except (ValueError, KeyError, TypeError):
                 await _send(stream, {"ok": False, "error": "unknown or malformed command"})
+                return
+            refusal = self._refusal(request["cmd"], stream)
+            if refusal:
+                self._limited.warning(("refused", refusal[1]), "refused %s from uid %d: it "
+                                      "changes the cache, which only root and the mount's "
+                                      "owner may", request["cmd"], refusal[1])
+                await _send(stream, {"ok": False, "error": refusal[0]})
                 return
 
             async def progress(info: dict) -> None:
@@ -84,6 +137,19 @@ class ControlServer:
                 await _send(stream, {"ok": True, **answer})
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+
+    def _refusal(self, cmd: str, stream: trio.SocketStream) -> tuple[str, int] | None:
+        """(sentence, uid) if the peer may not run `cmd`: state changes are for root and
+        the mount's owner."""
+        if cmd in READ_ONLY:
+            return None
+        uid = peer_uid(stream.socket)
+        if uid in (0, self._owner):
+            return None
+        owner = "root" if self._owner == 0 else f"root or uid {self._owner}"
+        return (f"{cmd} changes the cache, so it is for {owner} (the mount's owner); "
+                f"you (uid {uid}) may only read statistics.", uid)
 
 
 async def _send(stream: trio.SocketStream, obj: Any) -> None:

@@ -27,10 +27,11 @@ from typing import Callable
 import pyfuse3
 import trio
 
+from . import oplog
 from .backing import Backing, open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
-from .control import ControlServer
+from .control import ControlServer, socket_path
 from .errors import CommandFailed, UserError
 from .fs import Operations
 from .inodes import InodeTable
@@ -286,7 +287,7 @@ class Daemon:
         self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s,
                                open_root(cfg.backing))
         self.store = MetadataStore(cfg.cache_dir)
-        self.control_path = os.path.join(cfg.cache_dir, "control.sock")
+        self.control_path = socket_path(cfg.cache_dir, cfg.stats_group)
         self.clean_start = True
         self._lifetime_saved: dict[str, int] | None = {}     # None after a failed save
         self.cache: Cache | None = None
@@ -400,7 +401,7 @@ class Daemon:
         control = ControlServer(self.control_path, {
             "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd,
             "flush": self.flush_cmd, "prefetch": self.prefetch_cmd, "pin": self.pin_cmd,
-            "unpin": self.unpin_cmd})
+            "unpin": self.unpin_cmd}, group=self.cfg.stats_group)
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -428,8 +429,7 @@ class Daemon:
                 nursery.start_soon(self._signals)
                 ready(None)
                 sd_notify("READY=1")
-                log.info("mounted %s on %s (%s)", self.cfg.backing, self.cfg.mountpoint,
-                         self.cfg.mode)
+                log.info("%s", oplog.mount_line(self.snapshot()))
                 await _fuse_main()
                 nursery.cancel_scope.cancel()
         finally:
@@ -445,6 +445,7 @@ class Daemon:
                     log.error("the last metadata commit failed (%s); the next mount "
                               "recovers as after a crash", exc)
             self._save_lifetime()
+            summary = oplog.unmount_line(self.snapshot())
             try:
                 self.store.close(clean=clean)
             except sqlite3.Error as exc:
@@ -452,7 +453,7 @@ class Daemon:
                 log.error("closing the metadata database failed (%s); the next mount "
                           "recovers as after a crash", exc)
             if clean:
-                log.info("unmounted %s; metadata persisted", self.cfg.mountpoint)
+                log.info("%s", summary)
 
     async def _run_lifetime_saver(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Save the lifetime totals every commit interval in which a counter moved (a

@@ -44,7 +44,8 @@ def request(mountpoint: str, cmd: str, timeout_s: float | None = 30.0,
                 return msg
     except PermissionError:
         raise UserError(f"no permission to talk to the cachefs daemon of {mountpoint} "
-                        "(run as root).") from None
+                        "(run as root, or as a member of the group the mount names with "
+                        "--stats-group).") from None
     except socket.timeout:
         raise UserError(f"the cachefs daemon of {mountpoint} did not answer within "
                         f"{timeout_s:g} s.") from None

@@ -1,4 +1,4 @@
-"""`cachefs-ctl stats|flush|drop|prefetch|pin|unpin`: inspect and steer a running cachefs
+"""`cachefs-ctl stats|top|flush|drop|prefetch|pin|unpin`: inspect and steer a running cachefs
 mount."""
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
+    t = sub.add_parser("top", help="a live view: rates, hit ratio, occupancy, dirty data, "
+                       "flow control, drops and errors, redrawn every interval (plain lines "
+                       "when not on a terminal)")
+    t.add_argument("mountpoint", metavar="MOUNTPOINT")
+    t.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds between polls (default 1)")
+    t.add_argument("--count", type=int, metavar="N", help="stop after N screens (plain mode: "
+                   "N-1 lines, since rates need two polls)")
     f = sub.add_parser("flush", help="destage every dirty byte to BACKING, with progress")
     f.add_argument("mountpoint", metavar="MOUNTPOINT")
     f.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after SECONDS")
@@ -50,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_stats(args)
         if args.command == "flush":
             return cmd_flush(args)
+        if args.command == "top":
+            from . import top
+            return top.run(args.mountpoint, args.interval, args.count)
         if args.command in ("prefetch", "pin", "unpin"):
             return cmd_warm(args)
         return cmd_drop(args)

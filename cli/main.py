@@ -1,4 +1,4 @@
-"""`cachefs mount|umount`: the operator's entry point."""
+"""`cachefs mount|umount|install-unit`: the operator's entry point."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from cachefs import mount as mnt
 from cachefs.config import format_size
 from cachefs.errors import UserError
 
-from . import client
+from . import client, unit
 from .options import add_mount_arguments, config_from_args, config_to_argv
 
 READY_ENV = "CACHEFS_READY_FD"
@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--timeout", type=float, default=300, help="seconds to wait for the "
                    "daemon to persist its state (default 300)")
     u.add_argument("--flush", action="store_true", help="destage all dirty data first")
+    i = sub.add_parser("install-unit", help="a persistent mount under systemd: write "
+                       "/etc/cachefs/NAME.conf and the cachefs@NAME unit, and enable it")
+    unit.add_arguments(i)
     return p
 
 
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "mount":
             return cmd_mount(args)
+        if args.command == "install-unit":
+            return unit.install(args)
         return cmd_umount(args)
     except UserError as exc:
         print(f"cachefs: {exc}", file=sys.stderr)

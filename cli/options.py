@@ -16,7 +16,7 @@ _O_NAMES = {
     "dirty_high": "dirty_high", "dirty_low": "dirty_low", "max_dirty_age": "max_dirty_age",
     "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
     "eviction": "eviction", "promote_all_below": "promote_all_below",
-    "eviction": "eviction", "max_pinned": "max_pinned",
+    "eviction": "eviction", "max_pinned": "max_pinned", "stats_group": "stats_group",
 }
 # mount(8) and systemd options that mean nothing to FUSE.
 _IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
@@ -48,6 +48,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "(an LRU approximation, for comparisons)")
     p.add_argument("--max-pinned", help="share of the pool pinned files may hold "
                    "(cachefs-ctl pin), e.g. 25%% (default 50%%)")
+    p.add_argument("--stats-group", metavar="GROUP", help="members of GROUP may read "
+                   "statistics (cachefs-ctl stats, top) without root; changes stay for root "
+                   "and the mount's owner")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
                    help="comma-separated cachefs (name=value) or FUSE mount options")
@@ -135,6 +138,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
                                               "--promote-all-below") / 100
     if "max_pinned" in values:
         kw["max_pinned_pct"] = parse_share(values["max_pinned"], "--max-pinned")
+    if "stats_group" in values:
+        kw["stats_group"] = values["stats_group"].strip()
     if "attr_timeout" in values:
         t = _number(values["attr_timeout"], "--attr-timeout")
         kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
@@ -161,6 +166,8 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv += ["--dirty-high", str(cfg.dirty_high)]
     if cfg.dirty_low is not None:
         argv += ["--dirty-low", str(cfg.dirty_low)]
+    if cfg.stats_group is not None:
+        argv += ["--stats-group", cfg.stats_group]
     if cfg.fuse_options:
         argv += ["-o", ",".join(cfg.fuse_options)]
     if cfg.debug:
