@@ -1474,14 +1474,14 @@ class Cache:
                 await trio.to_thread.run_sync(_fdatasync_paths,
                                               [self.cache_path(i) for i in written])
             try:
-                self.store.commit(batch, durable or bool(self._punch_committing))
+                await self.store.commit_async(batch, durable or bool(self._punch_committing))
             except sqlite3.OperationalError as exc:
                 if not _is_full(exc) or not self.store.release_reserve():
                     raise
                 # The reserve file made room for this commit (it forgets evicted extents,
                 # whose holes free more once punched).
                 self._metadata_failed(exc)
-                self.store.commit(batch, durable or bool(self._punch_committing))
+                await self.store.commit_async(batch, durable or bool(self._punch_committing))
         except (OSError, sqlite3.Error) as exc:
             # A full or failing SSD: keep everything queued for the next try (the mount
             # goes on; a durable request fails, as an fsync of a failing disk must).

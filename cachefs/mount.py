@@ -460,10 +460,14 @@ class Daemon:
         task_status.started()
         while True:
             await trio.sleep(self.cfg.commit_interval_s)
-            self._save_lifetime()
+            totals = self.stats.lifetime()
+            if totals != self._lifetime_saved:
+                # In the store's thread, after any commit in flight: never on the event loop.
+                await self.store.run_async(self._save_lifetime, totals)
 
-    def _save_lifetime(self) -> None:
-        totals = self.stats.lifetime()
+    def _save_lifetime(self, totals: dict[str, int] | None = None) -> None:
+        if totals is None:
+            totals = self.stats.lifetime()
         if totals == self._lifetime_saved:
             return
         try:

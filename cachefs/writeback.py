@@ -23,7 +23,7 @@ import logging
 import os
 import stat as stat_mod
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -34,8 +34,9 @@ from .config import Config
 from .stats import Stats
 
 if TYPE_CHECKING:
-    from .cache import Cache
-    from .extents import CachedFile
+    from collections import OrderedDict
+
+    from .extents import CachedFile, Extent
 
 log = logging.getLogger("cachefs.writeback")
 
@@ -45,8 +46,32 @@ MAX_DELAY_S = 2.0              # one write is never held longer than this
 BACKOFF_MAX_S = 30.0
 
 
+class Engine(Protocol):
+    """What the destager needs of the engine (cache.Cache implements it): the dirty index
+    to schedule from, and the extent state changes of a destage pass. The destager never
+    imports the engine: imports flow from the engine down to it."""
+
+    files: "dict[int, CachedFile]"
+    dirty: "OrderedDict[tuple[int, int], float]"
+    dirty_event: trio.Event
+    progress_event: trio.Event
+
+    def dirty_bytes(self) -> int: ...
+    def oldest_dirty_age_s(self) -> float: ...
+    def cache_path(self, ino: int) -> str: ...
+    def file_lock(self, cf: "CachedFile") -> trio.Lock: ...
+    def discard_orphan(self, cf: "CachedFile") -> None: ...
+    def set_wb_fd(self, cf: "CachedFile", fd: int) -> None: ...
+    def take_idle_wb_fd(self, cf: "CachedFile") -> int: ...
+    def destage_plan(self, cf: "CachedFile", max_bytes: int, start_ext: int = 0
+                     ) -> "tuple[list[tuple[Extent, int]], list[tuple[int, int]]]": ...
+    def destage_failed(self, cf: "CachedFile") -> None: ...
+    def destage_done(self, cf: "CachedFile", plan: "list[tuple[Extent, int]]",
+                     st: os.stat_result) -> None: ...
+
+
 class Destager:
-    def __init__(self, cache: "Cache", backing: Backing, cfg: Config, stats: Stats):
+    def __init__(self, cache: Engine, backing: Backing, cfg: Config, stats: Stats):
         self._cache = cache
         self._backing = backing
         self._stats = stats
