@@ -13,13 +13,9 @@ changes are not mistaken for a change behind our back (`change_seq`).
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
-import sqlite3
 import time
-from collections import OrderedDict
 from typing import Awaitable, Callable, TypeVar
 
 import trio
@@ -28,17 +24,19 @@ from . import aio
 from . import backing as bk
 from . import readahead
 from .backing import Backing
+from .cachefiles import CacheFiles, pwrite_all
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
-from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask,
-                      covered_mask, popcount)
-from .policy import Admission, Clock, S3Fifo, SequentialDetector
+from .dirty import DirtyIndex
+from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, block_mask, covered_mask
+from .hit import OpenFile
+from .persist import NO_SPACE, Persister
+from .policy import Admission, Clock, S3Fifo
 from .stats import Stats
 from .store import MetadataStore
 from .writeback import Destager
 
 log = logging.getLogger("cachefs.cache")
 
-_libc = ctypes.CDLL(None, use_errno=True)
 # Destage: join two dirty runs across a gap of clean valid blocks up to this long. Writing
 # the gap costs link time (gap / bandwidth); a separate request costs a random access, but
 # BACKING serves several at once, so about latency x bandwidth / parallel requests: 5 ms x
@@ -48,9 +46,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 MERGE_GAP = 64 << 10
 T = TypeVar("T")
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
-_FALLOC_PUNCH = 0x01 | 0x02          # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 # O_APPEND: the kernel passes the offset; O_DIRECT: Python buffers are not aligned;
 # O_TRUNC: truncation goes through the engine, which must drop cached (and dirty) data.
 _FLAGS_NOT_FOR_BACKING = (os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_TRUNC
@@ -72,73 +68,9 @@ def _older(a: tuple[int, int, int, int], b: tuple[int, int, int, int],
     return size_counts and a[1] < b[1]
 
 
-def pwrite_all(fd: int, data, off: int) -> None:
-    """Write all of `data` at `off` (a short write, as when a disk fills, is continued or
-    raises: never silently shortened)."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, off)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view = view[n:]
-        off += n
-
-
-def punch_hole(fd: int, off: int, size: int) -> None:
-    _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
-                                ctypes.c_longlong)
-    if _libc.fallocate(fd, _FALLOC_PUNCH, off, size) != 0:
-        err = ctypes.get_errno()
-        if err != errno.EOPNOTSUPP:           # without hole punching the space stays used
-            raise OSError(err, os.strerror(err))
-
-
-class OpenFile:
-    """One open file handle: BACKING fd, the file's cache state and its sequential stream."""
-
-    __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext",
-                 "direct_fd", "ahead", "readable")
-
-    def __init__(self, fh: int, cfile: CachedFile, backing_fd: int, flags: int, stats: Stats):
-        self.fh = fh
-        self.ino = cfile.ino
-        self.cfile = cfile
-        self.backing_fd = backing_fd
-        self.flags = flags
-        self.seq = SequentialDetector()
-        self.stats = stats
-        self.last_miss_ext = -1     # consecutive misses in one extent count as one access
-        self.direct_fd = -1         # O_DIRECT twin of backing_fd for write-through (aio.py)
-        self.ahead: dict[int, readahead.Ahead] = {}     # offset -> read ahead of the stream
-        self.readable = True        # backing_fd can read (write-back fills of partial blocks)
-
-    def read_hit(self, off: int, size: int) -> bytes | None:
-        """Serve a read from the SSD if every block is cached: sync, no await, no SQL."""
-        cf = self.cfile
-        end = off + size
-        if end > cf.size:
-            end = cf.size
-        if off >= end or not cf.extents or not cf.covers(off, end):
-            return None
-        try:
-            data = os.pread(cf.cache_fd, end - off, off)
-        except OSError:                     # the SSD failed us: BACKING still has the data
-            self.stats.cache_errors += 1
-            return None
-        if len(data) < end - off:           # past the cache file's end: zeros, as in a hole
-            data += bytes(end - off - len(data))
-        self.seq.note(off, size)            # a stream stays a stream across cached parts
-        st = self.stats
-        st.read_ops += 1
-        st.hit_ops += 1
-        st.read_bytes += len(data)
-        st.hit_bytes += len(data)
-        return data
-
-
 class Cache:
     def __init__(self, cfg: Config, store: MetadataStore, backing: Backing, stats: Stats,
-                 capacity_exts: int, on_stale: Callable[[int], None]):
+                 capacity_exts: int):
         self.cfg = cfg
         self.store = store
         self.backing = backing
@@ -147,31 +79,23 @@ class Cache:
         self.files: dict[int, CachedFile] = {}
         self.pool = (S3Fifo if cfg.eviction == "s3-fifo" else Clock)(capacity_exts)
         self.admission = Admission(cfg.promote_after)
-        self._on_stale = on_stale
-        self._data_dir = os.path.join(cfg.cache_dir, "data")
+        # inodes whose data changed behind us: fs.Operations.run_invalidator reads them
+        self._stale_send, self.stale_inodes = trio.open_memory_channel(1024)
+        self.cachefiles = CacheFiles(cfg.cache_dir)
         self._promote_send, self._promote_recv = trio.open_memory_channel(64)
-        self._written: set[int] = set()              # inos with cache data not yet fdatasync'd
-        self._punch: dict[tuple[int, int], None] = {}          # evicted, not yet committed
-        self._punch_committing: dict[tuple[int, int], None] = {}
-        self._punching: set[tuple[int, int]] = set()           # holes being punched now
-        self._persist_lock = trio.Lock()         # batches commit in the order they are taken
+        self.persister = Persister(store, self.cachefiles, stats, self, cfg.commit_interval_s)
         # write-back state
         self.write_back = cfg.mode == "write-back"
-        self.dirty: OrderedDict[tuple[int, int], float] = OrderedDict()  # key -> since, oldest 1st
-        self.dirty_blocks = 0
-        self.dirty_event = trio.Event()          # set when data turns dirty (wakes the destager)
-        self.progress_event = trio.Event()       # set when data turns clean (wakes writers)
-        self._journaled: set[tuple[int, int]] = set()
+        self.dirty = DirtyIndex()                # write-back: extents newer than BACKING
         self.change_seq = 0                      # bumped by every change cachefs makes
         self.destager = Destager(self, backing, cfg, stats)
-        self.nursery: trio.Nursery | None = None   # for read-ahead tasks (set by mount.py)
+        self._nursery: trio.Nursery | None = None  # read-ahead tasks (run_readahead)
         self._ahead_inflight = 0                   # read-ahead reads in worker threads
         self._ahead_max = max(1, cfg.backing_threads * 3 // 4)   # leave threads for the rest
         self.target_exts = capacity_exts         # the pool size asked for (capacity may shrink)
         self._ssd_full_until = 0.0
         self._shrink_at_s = -1e9
         self._ssd_warned_s = -1e9
-        self._persist_warned_s = -1e9
         self.pins = None                           # warm.Warm: told of unlinks and renames
 
     # -- state -----------------------------------------------------------------------------
@@ -199,13 +123,13 @@ class Cache:
                 continue
             if not dirty and len(self.pool) >= self.capacity_exts:
                 self.store.queue_drop_extent(ino, ext)
-                self._punch[(ino, ext)] = None
+                self.persister.evicted((ino, ext))
                 over += 1
                 continue
             x = cf.extents[ext] = Extent(ino, ext, valid, 0)
             self.pool.insert_main(x)
             if dirty:
-                self._set_dirty(cf, x, dirty)
+                self.dirty.set(cf, x, dirty)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -264,57 +188,17 @@ class Cache:
 
     # -- dirty accounting --------------------------------------------------------------------
 
-    def _set_dirty(self, cf: CachedFile, x: Extent, mask: int) -> None:
-        new = mask & ~x.dirty
-        if not new:
-            return
-        if not x.dirty:
-            self.dirty[x.key] = time.monotonic()
-            cf.dirty_exts += 1
-            self.dirty_event.set()
-        x.dirty |= new
-        self.dirty_blocks += popcount(new)
-
-    def _clear_dirty(self, cf: CachedFile, x: Extent, mask: int) -> None:
-        gone = mask & x.dirty
-        if not gone:
-            return
-        x.dirty &= ~gone
-        self.dirty_blocks -= popcount(gone)
-        if not x.dirty:
-            del self.dirty[x.key]
-            cf.dirty_exts -= 1
-            self.progress_event.set()
-            self.progress_event = trio.Event()
-
     def dirty_bytes(self) -> int:
-        return self.dirty_blocks * BLK_SIZE
+        return self.dirty.bytes()
 
     def oldest_dirty_age_s(self) -> float:
-        for since in self.dirty.values():
-            return time.monotonic() - since
-        return 0.0
+        return self.dirty.oldest_age_s()
 
     def used_bytes(self) -> int:
         return len(self.pool) * EXT_SIZE
 
     def cache_path(self, ino: int) -> str:
-        return os.path.join(self._data_dir, "%02x" % (ino & 0xFF), str(ino))
-
-    def _cache_fd(self, cf: CachedFile) -> int:
-        if cf.cache_fd < 0:
-            path = self.cache_path(cf.ino)
-            try:
-                cf.cache_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # umask is 0
-                cf.cache_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        return cf.cache_fd
-
-    def _close_idle_fd(self, cf: CachedFile) -> None:
-        if cf.open_count == 0 and cf.cache_fd >= 0:
-            os.close(cf.cache_fd)
-            cf.cache_fd = -1
+        return self.cachefiles.path(ino)
 
     def _persist_identity(self, cf: CachedFile) -> None:
         if cf.extents and cf.identity is not None:
@@ -323,7 +207,7 @@ class Cache:
 
     def _remove_extent(self, cf: CachedFile, x: Extent) -> None:
         """Forget an extent, dirty blocks included (truncated, unlinked or unusable)."""
-        self._clear_dirty(cf, x, x.dirty)
+        self.dirty.clear(cf, x, x.dirty)
         self.pool.remove(x)
         del cf.extents[x.ext]
         self.store.queue_drop_extent(cf.ino, x.ext)
@@ -331,7 +215,7 @@ class Cache:
     def drop_file(self, cf: CachedFile) -> None:
         """Forget every cached extent of a file, dirty ones included."""
         for x in list(cf.extents.values()):
-            self._clear_dirty(cf, x, x.dirty)
+            self.dirty.clear(cf, x, x.dirty)
             self.pool.remove(x)
         cf.extents.clear()
         cf.clobber(0, 1 << 62)
@@ -340,10 +224,7 @@ class Cache:
         self.store.queue_meta(UNLINKING + str(cf.ino), None)
         # Safe before the commit: the stored identity no longer matches BACKING.
         try:
-            if cf.cache_fd >= 0:
-                os.ftruncate(cf.cache_fd, 0)
-            else:
-                os.truncate(self.cache_path(cf.ino), 0)
+            self.cachefiles.truncate(cf, 0)
         except OSError:          # missing or unwritable: the map no longer claims it anyway
             pass
 
@@ -468,7 +349,11 @@ class Cache:
         """getattr/lookup saw BACKING's attributes: revalidate, invalidate the kernel cache."""
         cf = self.files.get(ino)
         if cf is not None and not self.revalidate(cf, st, token):
-            self._on_stale(ino)
+            try:
+                self._stale_send.send_nowait(ino)
+            except trio.WouldBlock:
+                log.warning("kernel invalidation queue full; inode %d may be cached until "
+                            "its attribute timeout", ino)
 
     def own_metadata_change(self, ino: int, st: os.stat_result | None,
                             times_set: bool = False) -> None:
@@ -516,15 +401,12 @@ class Cache:
 
     def _discard(self, cf: CachedFile) -> None:
         self.drop_file(cf)
-        self._close_idle_fd(cf)
+        self.cachefiles.close_idle(cf)
         if cf.wb_fd >= 0 and not (cf.lock is not None and cf.lock.locked()):
             os.close(cf.wb_fd)          # unlinked: no BACKING flush to wait for
             cf.wb_fd = -1               # (while destaging, the destager closes it after)
         del self.files[cf.ino]
-        try:
-            os.unlink(self.cache_path(cf.ino))
-        except FileNotFoundError:
-            pass
+        self.cachefiles.remove(cf.ino)
 
     def _file_for(self, ino: int) -> CachedFile:
         """The cache state of inode `ino`; a fresh one if the old file of that number was
@@ -586,7 +468,7 @@ class Cache:
                 os.close(wfd)               # not written through: closes at once
         if cf.extents:
             try:
-                self._cache_fd(cf)
+                self.cachefiles.fd(cf)
             except OSError as exc:          # serve from BACKING rather than fail the open
                 self.stats.cache_errors += 1
                 log.warning("cannot open the cache file of inode %d: %s", ino, exc)
@@ -639,7 +521,7 @@ class Cache:
         cf.open_count -= 1
         if cf.doomed and cf.open_count == 0 and self.files.get(cf.ino) is cf:
             self._discard(cf)
-        self._close_idle_fd(cf)
+        self.cachefiles.close_idle(cf)
         return [of.backing_fd] if of.direct_fd < 0 else [of.backing_fd, of.direct_fd]
 
     # -- reads -----------------------------------------------------------------------------
@@ -762,7 +644,7 @@ class Cache:
 
     def _read_ahead(self, of: OpenFile, nxt: int, size: int) -> None:
         cf = of.cfile
-        if self.nursery is None or cf.writes_inflight:
+        if self._nursery is None or cf.writes_inflight:
             return
         backing_size = cf.identity[1] if cf.identity else cf.size
         tok = readahead.token(cf)
@@ -780,7 +662,7 @@ class Cache:
                 return
             ahead = of.ahead[o] = readahead.Ahead(o, size, tok)
             self._ahead_inflight += 1
-            self.nursery.start_soon(self._fetch_ahead, ahead, fd)
+            self._nursery.start_soon(self._fetch_ahead, ahead, fd)
 
     async def _fetch_ahead(self, ahead: "readahead.Ahead", fd: int) -> None:
         try:
@@ -803,7 +685,7 @@ class Cache:
         buf = bytearray(data)
         if len(buf) < end - off:
             buf.extend(bytes(end - off - len(buf)))
-        fd = self._cache_fd(cf)
+        fd = self.cachefiles.fd(cf)
         for e in range(off >> EXT_SHIFT, ((end - 1) >> EXT_SHIFT) + 1):
             x = cf.extents.get(e)
             if x is None or not x.dirty:
@@ -814,7 +696,7 @@ class Cache:
                 s = max(off, base + (b0 << BLK_SHIFT))
                 t = min(end, base + (b1 << BLK_SHIFT))
                 buf[s - off:t - off] = os.pread(fd, t - s, s)
-        self._close_idle_fd(cf)
+        self.cachefiles.close_idle(cf)
         return bytes(buf)
 
     async def _backing_read(self, fd: int, size: int, off: int) -> bytes:
@@ -826,6 +708,16 @@ class Cache:
         self.stats.backing_read_ops += 1
         self.stats.backing_read_bytes += len(data)
         return data
+
+    async def run_readahead(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The service whose nursery runs read-ahead reads (until the mount ends)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
 
     async def run_promoter(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Install promoted extents in the SSD, off the request path."""
@@ -839,7 +731,7 @@ class Cache:
         clobbered = cf.fills.pop(e, True)
         key = (cf.ino, e)
         if (clobbered or not chunk or self.files.get(cf.ino) is not cf
-                or key in self._punching or self.ssd_full()):
+                or self.persister.punching(key) or self.ssd_full()):
             self.stats.promotions_dropped += 1
             return False
         x = cf.extents.get(e)
@@ -854,7 +746,7 @@ class Cache:
             # (it may still hold bytes of an evicted extent whose hole is not punched yet).
             chunk = bytes(chunk) + bytes(BLK_SIZE - (len(chunk) & (BLK_SIZE - 1)))
         try:
-            fd = self._cache_fd(cf)
+            fd = self.cachefiles.fd(cf)
             if fill == valid:
                 pwrite_all(fd, chunk, base)
             else:
@@ -865,21 +757,20 @@ class Cache:
         except OSError as exc:
             self.stats.promotions_dropped += 1
             self.ssd_failed(exc, "a promotion")   # only invalid blocks were written: the
-            self._close_idle_fd(cf)               # map is unchanged and still true
+            self.cachefiles.close_idle(cf)               # map is unchanged and still true
             return False
         if x is None:
             x = cf.extents[e] = Extent(cf.ino, e, valid)
             self.pool.insert(x)
-            self._punch.pop(key, None)
-            self._punch_committing.pop(key, None)
+            self.persister.reused(key)
             if len(cf.extents) == 1:
                 self._persist_identity(cf)
         else:
             x.valid |= valid
         self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
-        self._written.add(cf.ino)
+        self.persister.written(cf.ino)
         self.stats.promotions += 1
-        self._close_idle_fd(cf)
+        self.cachefiles.close_idle(cf)
         return True
 
     def _make_room(self, n: int = 1) -> bool:
@@ -895,7 +786,7 @@ class Cache:
     def _evict(self, cf: CachedFile, x: Extent) -> None:
         """Forget a clean extent; its SSD space is released after the next durable commit."""
         self._remove_extent(cf, x)
-        self._punch[x.key] = None
+        self.persister.evicted(x.key)
         if not cf.extents:
             self.store.queue_drop_file(cf.ino)
 
@@ -940,7 +831,7 @@ class Cache:
         try:
             self._write_dirty(cf, off, data)
         except OSError as exc:
-            if exc.errno not in _NO_SPACE:
+            if exc.errno not in NO_SPACE:
                 raise
             self.ssd_failed(exc, "a write-back write")
             return await self._write_around(of, off, data)
@@ -964,14 +855,13 @@ class Cache:
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
         for e in range(first, last + 1):
             x = cf.extents.get(e)
-            if x is None or x.key in self._journaled:
+            if x is None:
                 continue
             base = e << EXT_SHIFT
             m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
             if x.valid & ~x.dirty & m:
-                self.store.journal_dirtying(cf.ino, e)      # before clean data changes
-                self._journaled.add(x.key)
-        fd = self._cache_fd(cf)
+                self.persister.journal_dirtying(x.key)      # before clean data changes
+        fd = self.cachefiles.fd(cf)
         head, tail = self._zero_pads(cf, off, end)
         if head:
             pwrite_all(fd, bytes(head), off - head)
@@ -983,18 +873,17 @@ class Cache:
             if x is None:
                 x = cf.extents[e] = Extent(cf.ino, e)
                 self.pool.insert(x)
-                self._punch.pop(x.key, None)
-                self._punch_committing.pop(x.key, None)
+                self.persister.reused(x.key)
             base = e << EXT_SHIFT
             m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
             x.valid |= m
             x.redirty |= m
-            self._set_dirty(cf, x, m)
+            self.dirty.set(cf, x, m)
             self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
         if end > cf.size:
             cf.size = end
         self._persist_identity(cf)
-        self._written.add(cf.ino)
+        self.persister.written(cf.ino)
 
     async def _write_around(self, of: OpenFile, off: int, data: bytes) -> int:
         """A write-back write that cannot be cached goes to BACKING at once (write-through).
@@ -1022,11 +911,11 @@ class Cache:
                 for b0, b1 in _runs(x.dirty & m):
                     bs = max(s, base + (b0 << BLK_SHIFT))
                     bt = min(t, base + (b1 << BLK_SHIFT))
-                    pwrite_all(self._cache_fd(cf), view[bs - off:bt - off], bs)
+                    pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
                     x.redirty |= block_mask(bs - base, bt - base)
                 x.valid &= ~(m & ~x.dirty)
                 self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
-                self._written.add(cf.ino)
+                self.persister.written(cf.ino)
             cf.writes_inflight += 1
             try:
                 written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
@@ -1170,17 +1059,17 @@ class Cache:
                 x.valid &= ~block_mask(s - base, t - base)
                 continue
             try:
-                pwrite_all(self._cache_fd(cf), view[s - off:t - off], s)
+                pwrite_all(self.cachefiles.fd(cf), view[s - off:t - off], s)
             except OSError as exc:
                 self.ssd_failed(exc, "a write-through update")
                 self.stats.drop_cache_error += 1
                 self._remove_extent(cf, x)
-                self._punch[x.key] = None
+                self.persister.evicted(x.key)
                 continue
             # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
             x.valid |= covered_mask(s - base, t - base, cf.size - base)
             self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
-            self._written.add(cf.ino)
+            self.persister.written(cf.ino)
 
     def file_lock(self, cf: CachedFile) -> trio.Lock:
         """Serialises a file's destaging with its truncation."""
@@ -1213,14 +1102,11 @@ class Cache:
                 self._remove_extent(cf, x)
             elif base + EXT_SIZE > keep_below:
                 keep = block_mask(0, keep_below - base)
-                self._clear_dirty(cf, x, x.dirty & ~keep)
+                self.dirty.clear(cf, x, x.dirty & ~keep)
                 x.valid &= keep
                 self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
         try:
-            if cf.cache_fd >= 0:
-                os.ftruncate(cf.cache_fd, size)
-            else:
-                os.truncate(self.cache_path(cf.ino), size)
+            self.cachefiles.truncate(cf, size)
         except FileNotFoundError:
             pass
 
@@ -1309,7 +1195,7 @@ class Cache:
         for x, snap in plan:
             if cf.extents.get(x.ext) is not x:
                 continue                         # truncated or dropped meanwhile
-            self._clear_dirty(cf, x, snap & ~x.redirty)
+            self.dirty.clear(cf, x, snap & ~x.redirty)
             self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
         self._own_change(cf, st, size_exact=False)
 
@@ -1341,13 +1227,9 @@ class Cache:
         evict clean data (the space is released after the next commit); the mount goes on
         from BACKING meanwhile. Logged at most once a minute."""
         self.stats.cache_errors += 1
-        full = exc.errno in _NO_SPACE
+        full = exc.errno in NO_SPACE
         if full:
-            self.stats.cache_full_events += 1
-            self._ssd_full_until = time.monotonic() + SSD_FULL_HOLD_S
-            if self._shrink_at_s + SSD_FULL_HOLD_S < time.monotonic():
-                self._shrink_at_s = time.monotonic()
-                self._shrink_pool()
+            self.out_of_space()
         now = time.monotonic()
         if now - self._ssd_warned_s >= 60:
             self._ssd_warned_s = now
@@ -1356,6 +1238,19 @@ class Cache:
                         "released (the pool is now %s)" % format_size(self.capacity_exts
                                                                       * EXT_SIZE)
                         if full else "that data is served from BACKING")
+
+    def out_of_space(self) -> None:
+        """The cache filesystem is full: no promotions for a while, writes go around the
+        cache, and the pool shrinks (at most once per hold time)."""
+        self.stats.cache_full_events += 1
+        self._ssd_full_until = time.monotonic() + SSD_FULL_HOLD_S
+        if self._shrink_at_s + SSD_FULL_HOLD_S < time.monotonic():
+            self._shrink_at_s = time.monotonic()
+            self._shrink_pool()
+
+    def space_released(self) -> None:
+        """Evicted space was released (the reserve file is back): try the SSD again."""
+        self._ssd_full_until = 0.0
 
     def _shrink_pool(self) -> None:
         """The cache filesystem is full (another tenant, or holes not yet punched): make the
@@ -1376,7 +1271,7 @@ class Cache:
         log.warning("cache filesystem full: pool shrunk to %s, %d clean extents evicted "
                     "(reason: capacity)", format_size(self.capacity_exts * EXT_SIZE), n)
 
-    def _regrow_pool(self) -> None:
+    def regrow_pool(self) -> None:
         """Give the pool back the room it lost to a full filesystem, as space frees up."""
         if self.capacity_exts >= self.target_exts or self.ssd_full():
             return
@@ -1442,106 +1337,11 @@ class Cache:
             "metadata_commits": self.store.commits,
         }
 
-    # -- persistence -------------------------------------------------------------------------
-
-    async def run_persister(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Commit queued metadata in batches, every commit interval."""
-        task_status.started()
-        while True:
-            await trio.sleep(self.cfg.commit_interval_s)
-            await self.persist()
+    # -- persistence (cachefs/persist.py) -----------------------------------------------------
 
     async def persist(self, durable: bool = False) -> None:
-        """fdatasync cache data, commit the metadata claiming it, then release evicted space.
-
-        Batches commit in the order they were taken (one at a time); a durable request
-        waits for its own batch, so everything queued before it is on the SSD when it returns.
-        """
-        async with self._persist_lock:
-            await self._persist_locked(durable)
-
-    async def _persist_locked(self, durable: bool) -> None:
-        if not self.store.pending() and not self._punch and not self._written:
-            return
-        self._journaled = set()                 # the journal rotates with the batch
-        batch = self.store.take_batch()
-        self._punch_committing.update(self._punch)
-        self._punch = {}
-        written = set(self._written)
-        self._written = set()
-        try:
-            if written:
-                await trio.to_thread.run_sync(_fdatasync_paths,
-                                              [self.cache_path(i) for i in written])
-            try:
-                await self.store.commit_async(batch, durable or bool(self._punch_committing))
-            except sqlite3.OperationalError as exc:
-                if not _is_full(exc) or not self.store.release_reserve():
-                    raise
-                # The reserve file made room for this commit (it forgets evicted extents,
-                # whose holes free more once punched).
-                self._metadata_failed(exc)
-                await self.store.commit_async(batch, durable or bool(self._punch_committing))
-        except (OSError, sqlite3.Error) as exc:
-            # A full or failing SSD: keep everything queued for the next try (the mount
-            # goes on; a durable request fails, as an fsync of a failing disk must).
-            self.store.requeue(batch)
-            self._written |= written
-            self._punch.update(self._punch_committing)
-            self._punch_committing = {}
-            self._metadata_failed(exc)
-            if durable:
-                raise OSError(errno.EIO, f"the cache's metadata could not be committed: "
-                              f"{exc}") from None
-            return
-        if self._punch_committing:
-            keys = list(self._punch_committing)
-            self._punch_committing = {}
-            self._punching = set(keys)
-            try:
-                await trio.to_thread.run_sync(self._punch_holes, keys)
-            except OSError as exc:      # the space stays used; the map no longer claims it
-                self.ssd_failed(exc, "releasing evicted space")
-            finally:
-                self._punching = set()
-            if self.store.ensure_reserve():     # space was released: try the SSD again
-                self._ssd_full_until = 0.0
-        self._regrow_pool()
-
-    def _metadata_failed(self, exc: Exception) -> None:
-        """A commit failed (SQLite or the SSD): out of space, release the reserve file so the
-        next commit (which forgets evicted extents, whose holes then free space) fits."""
-        self.stats.metadata_errors += 1
-        full = _is_full(exc)
-        if full:
-            self.stats.cache_full_events += 1
-            self._ssd_full_until = time.monotonic() + SSD_FULL_HOLD_S
-            self.store.release_reserve()
-            if self._shrink_at_s + SSD_FULL_HOLD_S < time.monotonic():
-                self._shrink_at_s = time.monotonic()
-                self._shrink_pool()
-        now = time.monotonic()
-        if now - self._persist_warned_s >= 60:
-            self._persist_warned_s = now
-            log.warning("committing cache metadata failed (%s); it stays queued and is "
-                        "retried%s", exc, "; the cache filesystem is full: evicting clean "
-                        "data" if full else "")
-
-    def _punch_holes(self, keys: list[tuple[int, int]]) -> None:
-        """Release the SSD space of evicted extents (runs in a thread: SSD syscalls only)."""
-        by_ino: dict[int, list[int]] = {}
-        for ino, ext in keys:
-            by_ino.setdefault(ino, []).append(ext)
-        for ino, exts in by_ino.items():
-            try:
-                fd = os.open(self.cache_path(ino), os.O_WRONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            try:
-                for ext in exts:
-                    punch_hole(fd, ext << EXT_SHIFT, EXT_SIZE)
-            finally:
-                os.close(fd)
+        """Make everything changed so far durable on the SSD (Persister.persist)."""
+        await self.persister.persist(durable)
 
 
 def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool
@@ -1562,25 +1362,6 @@ def _writable_twin(fd: int, flags: int) -> int:
         return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
     except OSError:
         return -1
-
-
-def _fdatasync_paths(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-
-
-def _is_full(exc: Exception) -> bool:
-    """An error that means the cache filesystem is out of space."""
-    if isinstance(exc, OSError):
-        return exc.errno in _NO_SPACE
-    return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
 
 
 def _slice_ext(data: bytes, off: int, e: int) -> bytes:

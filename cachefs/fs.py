@@ -30,7 +30,8 @@ from pyfuse3 import FUSEError
 
 from . import backing as bk
 from .backing import Backing
-from .cache import Cache, OpenFile
+from .cache import Cache
+from .hit import OpenFile
 from .config import EXT_SIZE, Config
 from .errors import BackingTimeout
 from .inodes import ROOT_INODE, InodeTable
@@ -66,7 +67,6 @@ class Operations(pyfuse3.Operations):
         self._dirs: dict[int, tuple[int, list]] = {}
         self._written_ns: dict[int, int] = {}       # write-back: ino -> time of last write
         self._next_fh = 1
-        self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
         self._root = backing.root_fd
         # Released BACKING fds: queued for the closers; the queue is unbounded, but open()
         # waits while more than MAX_PENDING_CLOSES are queued or being closed.
@@ -193,17 +193,11 @@ class Operations(pyfuse3.Operations):
             self._cache.attributes_seen(ino, st, token)
         return self._attr(st, ino)
 
-    def kernel_invalidate(self, ino: int) -> None:
-        """Ask the kernel to drop its cached pages and attributes of `ino` (from the engine)."""
-        try:
-            self._inval_send.send_nowait(ino)
-        except trio.WouldBlock:
-            log.warning("kernel invalidation queue full; inode %d may be cached until its "
-                        "attribute timeout", ino)
-
     async def run_invalidator(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Ask the kernel to drop its cached pages and attributes of the inodes the engine
+        reports changed behind the cache (Cache.stale_inodes)."""
         task_status.started()
-        async for ino in self._inval_recv:
+        async for ino in self._cache.stale_inodes:
             try:
                 await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
             except OSError as exc:              # ENOENT: the kernel no longer knows the inode

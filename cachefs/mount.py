@@ -21,7 +21,6 @@ import socket
 import sqlite3
 import stat
 import subprocess
-import time
 from typing import Callable
 
 import pyfuse3
@@ -305,8 +304,7 @@ class Daemon:
         capacity = cache_capacity(self.cfg, cache_dir_usage(self.cfg.cache_dir)) // EXT_SIZE
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
-        self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity,
-                           on_stale=lambda ino: self.ops.kernel_invalidate(ino))
+        self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
         self.cache.load(self.clean_start)
         if self.cache.dirty:
             log.info("%s of dirty data from an earlier write-back mount will be destaged",
@@ -340,34 +338,8 @@ class Daemon:
     async def flush_cmd(self, request: dict, progress) -> dict:
         """Destage everything; progress lines every half second; fails with the reason."""
         timeout = request.get("timeout")
-        await self.flush(timeout, progress)
+        await self.cache.destager.flush(timeout, progress)
         return {"dirty_bytes": 0}
-
-    async def flush(self, timeout_s: float | None, progress=None) -> None:
-        cache, d = self.cache, self.cache.destager
-        start = time.monotonic()
-        d.force += 1
-        try:
-            while cache.dirty:
-                if progress is not None:
-                    await progress({"dirty_bytes": cache.dirty_bytes(),
-                                    "destaged_bytes": self.stats.destaged_bytes,
-                                    "destage_rate": round(d.rate), "eta_s": d.eta_s()})
-                if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    raise CommandFailed(
-                        f"flush timed out after {timeout_s:g} s with "
-                        f"{format_size(cache.dirty_bytes())} still dirty"
-                        + (f"; last error: {d.last_error}" if d.last_error else "") + ".")
-                if (d.last_error and d.last_error_s > start
-                        and time.monotonic() - d.last_progress_s > 5):
-                    raise CommandFailed(f"{d.last_error}; "
-                                        f"{format_size(cache.dirty_bytes())} still dirty.")
-                dirty_event = cache.progress_event
-                with trio.move_on_after(0.5):
-                    await dirty_event.wait()
-            await cache.persist(durable=True)
-        finally:
-            d.force -= 1
 
     async def drop_cmd(self, request: dict, progress) -> dict:
         """Evict clean data; pinned files keep theirs unless `pinned` (then pins go too)."""
@@ -404,10 +376,10 @@ class Daemon:
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
-                self.cache.nursery = nursery
                 await nursery.start(control.run)
+                await nursery.start(self.cache.run_readahead)
                 await nursery.start(self.cache.run_promoter)
-                await nursery.start(self.cache.run_persister)
+                await nursery.start(self.cache.persister.run)
                 await nursery.start(self.ops.run_invalidator)
                 await nursery.start(self.ops.run_closer)
                 await nursery.start(self.cache.destager.run)
@@ -483,7 +455,7 @@ class Daemon:
         log.info("destaging %s of write-back data before mounting in write-through mode",
                  format_size(self.cache.dirty_bytes()))
         try:
-            await self.flush(None)
+            await self.cache.destager.flush(None)
         except CommandFailed as exc:
             raise UserError(f"cannot mount in write-through mode: {exc} Mount in "
                             "write-back mode or repair BACKING.") from None

@@ -30,12 +30,12 @@ import trio
 from . import aio
 from . import backing as bk
 from .backing import Backing
-from .config import Config
+from .config import Config, format_size
+from .dirty import DirtyIndex
+from .errors import CommandFailed
 from .stats import Stats
 
 if TYPE_CHECKING:
-    from collections import OrderedDict
-
     from .extents import CachedFile, Extent
 
 log = logging.getLogger("cachefs.writeback")
@@ -52,9 +52,7 @@ class Engine(Protocol):
     imports the engine: imports flow from the engine down to it."""
 
     files: "dict[int, CachedFile]"
-    dirty: "OrderedDict[tuple[int, int], float]"
-    dirty_event: trio.Event
-    progress_event: trio.Event
+    dirty: DirtyIndex
 
     def dirty_bytes(self) -> int: ...
     def oldest_dirty_age_s(self) -> float: ...
@@ -66,6 +64,7 @@ class Engine(Protocol):
     def destage_plan(self, cf: "CachedFile", max_bytes: int, start_ext: int = 0
                      ) -> "tuple[list[tuple[Extent, int]], list[tuple[int, int]]]": ...
     def destage_failed(self, cf: "CachedFile") -> None: ...
+    async def persist(self, durable: bool = False) -> None: ...
     def destage_done(self, cf: "CachedFile", plan: "list[tuple[Extent, int]]",
                      st: os.stat_result) -> None: ...
 
@@ -106,8 +105,7 @@ class Destager:
 
     async def wait_progress(self, timeout_s: float = 0.5) -> None:
         """Wait until some dirty data turned clean (or a short while)."""
-        with trio.move_on_after(timeout_s):
-            await self._cache.progress_event.wait()
+        await self._cache.dirty.wait_cleaned(timeout_s)
 
     # -- the destage loop --------------------------------------------------------------------
 
@@ -117,9 +115,7 @@ class Destager:
         while True:
             cf, start_ext = self._next_due()
             if cf is None:
-                cache.dirty_event = trio.Event()
-                with trio.move_on_after(self._idle_wait_s()):
-                    await cache.dirty_event.wait()
+                await cache.dirty.wait_dirtied(self._idle_wait_s())
                 continue
             await self._destage(cf, start_ext)
             await trio.sleep(0)
@@ -206,6 +202,34 @@ class Destager:
                     self.last_error, delay)
 
     # -- flush -------------------------------------------------------------------------------
+
+    async def flush(self, timeout_s: float | None, progress=None) -> None:
+        """Destage every dirty byte now (cachefs-ctl flush, umount --flush), then make the
+        metadata durable. `progress` (async) gets a dict every half second. Raises
+        CommandFailed on timeout, or when BACKING keeps failing with no progress for 5 s."""
+        cache = self._cache
+        start = time.monotonic()
+        self.force += 1
+        try:
+            while cache.dirty:
+                if progress is not None:
+                    await progress({"dirty_bytes": cache.dirty_bytes(),
+                                    "destaged_bytes": self._stats.destaged_bytes,
+                                    "destage_rate": round(self.rate), "eta_s": self.eta_s()})
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise CommandFailed(
+                        f"flush timed out after {timeout_s:g} s with "
+                        f"{format_size(cache.dirty_bytes())} still dirty"
+                        + (f"; last error: {self.last_error}" if self.last_error else "")
+                        + ".")
+                if (self.last_error and self.last_error_s > start
+                        and time.monotonic() - self.last_progress_s > 5):
+                    raise CommandFailed(f"{self.last_error}; "
+                                        f"{format_size(cache.dirty_bytes())} still dirty.")
+                await cache.dirty.wait_cleaned(0.5)
+            await cache.persist(durable=True)
+        finally:
+            self.force -= 1
 
     def eta_s(self) -> float | None:
         dirty = self._cache.dirty_bytes()
