@@ -313,7 +313,7 @@ class Daemon:
         self.ops = Operations(self.cfg, self.cache, self.backing, inodes, self.control_path)
         self.warm = Warm(self.cfg, self.cache, self.backing, self.store, self.stats, inodes)
         self.warm.load()
-        self.cache.pins = self.warm
+        self.cache.name_listener(self.warm)
         log.info("cache %s: %s for %s, %d extents (%s) warm", self.cfg.cache_dir,
                  format_size(capacity * EXT_SIZE), self.cfg.backing, len(self.cache.pool),
                  format_size(self.cache.used_bytes()))

@@ -30,10 +30,10 @@ import trio
 
 from . import backing as bk
 from .backing import Backing
-from .cache import Cache, identity
+from .cache import Cache
 from .config import EXT_SIZE, Config, format_size
 from .errors import CommandFailed
-from .extents import EXT_SHIFT, CachedFile
+from .extents import EXT_SHIFT, CachedFile, identity
 from .inodes import InodeTable
 from .stats import Stats
 from .store import MetadataStore

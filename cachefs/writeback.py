@@ -1,8 +1,10 @@
 """The destager and flow control of write-back mode.
 
 Owns the schedule: which dirty data goes to BACKING when, how fast writers may go, and the
-destage rate. Extent state changes are the engine's (`Cache.destage_plan`,
-`Cache.destage_done`); this module only decides and moves bytes.
+destage rate, the plan of a pass (`plan_destage`: which blocks, coalesced into which runs)
+and flush (`Destager.flush`). Extent state changes are the engine's (`Cache.destage_plan`,
+`Cache.destage_done`), reached through the `Engine` protocol: this module never imports the
+engine; it decides and moves bytes.
 
 - Destaging: oldest dirty extent first; from it on, its file's dirty blocks are written in
   offset order (a circular elevator under random writes), coalesced into runs, up to
@@ -30,9 +32,10 @@ import trio
 from . import aio
 from . import backing as bk
 from .backing import Backing
-from .config import Config, format_size
+from .config import EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
 from .errors import CommandFailed
+from .extents import BLK_SHIFT, EXT_SHIFT, block_mask, runs
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -44,6 +47,55 @@ BATCH_BYTES = 16 << 20         # one destage pass of a file (runs, with bridged 
 MIN_RATE = 4 << 20             # B/s assumed before the first measurement
 MAX_DELAY_S = 2.0              # one write is never held longer than this
 BACKOFF_MAX_S = 30.0
+# Destage: join two dirty runs across a gap of clean valid blocks up to this long. Writing
+# the gap costs link time (gap / bandwidth); a separate request costs a random access, but
+# BACKING serves several at once, so about latency x bandwidth / parallel requests: 5 ms x
+# 110 MB/s / 8 = 69 KB on the emulator. Measured there (write-back, 1 GiB): 256K -> 64K took
+# hitachi-sql from 2,092 to 2,988 IOPS and flashsoft-70-30 from 12.1k to 14.0k; 16K lost
+# 21 % on flashsoft-70-30.
+MERGE_GAP = 64 << 10
+
+
+def plan_destage(cf: "CachedFile", max_bytes: int, start_ext: int = 0
+             ) -> "tuple[list[tuple[Extent, int]], list[tuple[int, int]]]":
+    """Snapshot a file's dirty extents from `start_ext` on, in offset order: (extent,
+    dirty mask) pairs, and the byte runs to write, coalesced across extents and clipped
+    to the file's size. The destager starts at the file's oldest dirty extent: under
+    random writes that is where the last sweep passed longest ago, so dirty blocks are
+    densest there and bridge into long writes (a circular elevator). Resets the extents'
+    `redirty` (blocks rewritten from now on stay dirty after the pass)."""
+    plan: list[tuple[Extent, int]] = []
+    out: list[tuple[int, int]] = []
+    total = 0
+    for e in sorted(e for e, x in cf.extents.items() if x.dirty and e >= start_ext):
+        x = cf.extents[e]
+        base = e << EXT_SHIFT
+        # Only blocks below the logical size are written, so only they may turn clean;
+        # a dirty block past it would be a bug, and it stays dirty rather than vanish.
+        snap = x.dirty & block_mask(0, min(cf.size - base, EXT_SIZE))
+        if snap != x.dirty:
+            log.error("inode %d extent %d: dirty blocks past the file's size %d",
+                      cf.ino, e, cf.size)
+        plan.append((x, snap))
+        x.redirty = 0
+        for b0, b1 in runs(snap):
+            s, t = base + (b0 << BLK_SHIFT), min(base + (b1 << BLK_SHIFT), cf.size)
+            if t <= s:
+                continue
+            if out:
+                end = out[-1][0] + out[-1][1]
+                # Bridge a short gap of clean valid blocks (BACKING already has those
+                # bytes): one larger write costs little more than a small one on a disk.
+                if end == s or (s - end <= MERGE_GAP and cf.all_valid(end, s)):
+                    total += s - end
+                    out[-1] = (out[-1][0], t - out[-1][0])
+                    total += t - s
+                    continue
+            out.append((s, t - s))
+            total += t - s
+        if total >= max_bytes:
+            break
+    return plan, out
 
 
 class Engine(Protocol):
