@@ -20,6 +20,7 @@ from .coherence import Coherence
 from .config import Config
 from .extents import CachedFile, Extent
 from .hit import OpenFile
+from .namespace import Namespace
 from .readpath import ReadPath
 from .state import UNLINKING, CacheState
 from .stats import Stats
@@ -44,6 +45,7 @@ class Cache:
         self.reads = ReadPath(state)
         self.destager = Destager(self, backing, cfg, stats)
         self.writes = WritePath(state, self.coherence, self.destager)
+        self.namespace = Namespace(backing)      # BACKING's namespace, for fs
         self.pins = None                 # the listener of unlinks and renames (name_listener)
         # the objects the parts share (never rebound)
         self.cfg, self.store, self.backing, self.stats = cfg, store, backing, stats

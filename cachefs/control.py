@@ -20,6 +20,7 @@ from .errors import CommandFailed
 log = logging.getLogger("cachefs.control")
 
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[dict]]
+CONTROL_XATTR = "user.cachefs.control"   # the mount root's xattr naming the socket path
 MAX_REQUEST = 64 * 1024
 
 

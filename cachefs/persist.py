@@ -85,7 +85,7 @@ class Persister:
         """Clean blocks of extent `key` are about to be overwritten with dirty data: note it
         in the doubt journal first (once per batch)."""
         if key not in self._journaled:
-            self._store.journal_dirtying(*key)
+            self._store.journal.append(*key)
             self._journaled.add(key)
 
     # -- committing --------------------------------------------------------------------------

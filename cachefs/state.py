@@ -65,7 +65,7 @@ class CacheState:
             cf.path = path
             cf.size = lsize
             cf.recovered = not clean_stop
-        doubt = set() if clean_stop else self.store.read_journal()
+        doubt = set() if clean_stop else self.store.journal.read()
         over = 0
         for ino, ext, valid, dirty in extents:
             cf = self.files.get(ino)

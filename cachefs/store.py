@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import struct
 import threading
 import time
 
 import trio
 
 from .errors import UserError
+from .journal import DoubtJournal
 
 SCHEMA_VERSION = 3
 RESERVE_BYTES = 8 << 20         # see ensure_reserve()
@@ -87,7 +87,7 @@ class MetadataStore:
         self._meta: dict[str, str | None] = {}         # meta rows to set (None: delete)
         self.commits = 0
         self.last_commit_s = 0.0
-        self._jfd = -1
+        self.journal = DoubtJournal(cache_dir)        # write-back: extents in doubt
         self._lock = threading.Lock()                  # held by every use of self._db
         self._limiter = trio.CapacityLimiter(1)        # commits run one at a time, in order
 
@@ -158,11 +158,6 @@ class MetadataStore:
     def set_meta(self, key: str, value: str) -> None:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-
-    def get_meta(self, key: str) -> str | None:
-        with self._lock:
-            row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return row[0] if row else None
 
     # -- lifetime totals (stats that span remounts; kept in meta, see the schema) --------
 
@@ -266,56 +261,6 @@ class MetadataStore:
             return [k for (k,) in self._db.execute("SELECT key FROM meta WHERE key >= ? AND "
                                                    "key < ?", (prefix, prefix + "\uffff"))]
 
-    # -- the doubt journal (write-back) ----------------------------------------------------
-    # A write-back write that modifies blocks the database may record as clean appends
-    # (ino, ext) here first. The journal is rotated when a batch is taken and the previous
-    # one removed once that batch is committed; after an unclean stop, recovery treats every
-    # valid block of a journaled extent as dirty, so data newer than BACKING is never
-    # mistaken for clean.
-
-    def journal_dirtying(self, ino: int, ext: int) -> None:
-        if self._jfd < 0:
-            self._jfd = os.open(self._journal(""), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                                | os.O_CLOEXEC, 0o600)
-        os.write(self._jfd, struct.pack("<QQ", ino, ext))
-
-    def _journal(self, suffix: str) -> str:
-        return os.path.join(self.cache_dir, "doubt.log" + suffix)
-
-    def _rotate_journal(self) -> None:
-        if self._jfd >= 0:
-            os.close(self._jfd)
-            self._jfd = -1
-            if os.path.exists(self._journal(".prev")):
-                # The previous batch was not committed (requeued): its entries still count.
-                with open(self._journal(""), "rb") as f:
-                    raw = f.read()
-                with open(self._journal(".prev"), "ab") as f:
-                    f.write(raw)
-                os.unlink(self._journal(""))
-            else:
-                os.replace(self._journal(""), self._journal(".prev"))
-
-    def read_journal(self) -> set[tuple[int, int]]:
-        """Extents in doubt after an unclean stop (both journal generations)."""
-        out: set[tuple[int, int]] = set()
-        for suffix in (".prev", ""):
-            try:
-                with open(self._journal(suffix), "rb") as f:
-                    raw = f.read()
-            except FileNotFoundError:
-                continue
-            for i in range(0, len(raw) - 15, 16):
-                out.add(struct.unpack_from("<QQ", raw, i))
-        return out
-
-    def clear_journal(self) -> None:
-        for suffix in (".prev", ""):
-            try:
-                os.unlink(self._journal(suffix))
-            except FileNotFoundError:
-                pass
-
     def pending(self) -> int:
         return len(self._dropped) + len(self._files) + len(self._extents) + len(self._meta)
 
@@ -325,7 +270,7 @@ class MetadataStore:
         """Detach the queued changes; the caller syncs their data, then calls commit()."""
         batch = (self._dropped, self._files, self._extents, self._meta)
         self._dropped, self._files, self._extents, self._meta = set(), {}, {}, {}
-        self._rotate_journal()
+        self.journal.rotate()
         return batch
 
     def requeue(self, batch: tuple[set, dict, dict, dict]) -> None:
@@ -421,19 +366,14 @@ class MetadataStore:
                 db.execute("PRAGMA synchronous=NORMAL")
         self.commits += 1
         self.last_commit_s = time.monotonic()
-        try:
-            os.unlink(self._journal(".prev"))       # its extents' state is now recorded
-        except FileNotFoundError:
-            pass
+        self.journal.committed()
 
     def close(self, clean: bool) -> None:
         if self._db is None:
             return
-        if self._jfd >= 0:
-            os.close(self._jfd)
-            self._jfd = -1
+        self.journal.close()
         if clean:
-            self.clear_journal()
+            self.journal.clear()
             with self._lock:
                 self._db.execute("PRAGMA synchronous=FULL")
             self.set_meta("clean", "1")
