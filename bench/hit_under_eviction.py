@@ -35,7 +35,10 @@ MiB = 1 << 20
 def ctl(*args: str) -> dict:
     res = subprocess.run([*CTL, *args, "--json"], capture_output=True, text=True, timeout=600,
                          check=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(res.stdout)                    # stats: one JSON document
+    except json.JSONDecodeError:                         # pin: progress lines, then the answer
+        return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def measure(args: argparse.Namespace, mnt: str, d: str) -> None:
