@@ -19,11 +19,12 @@ import os
 import platform
 import threading
 
+from .libc import libc
+
 ALIGN = 4096                      # offsets and sizes O_DIRECT accepts on every filesystem
 MAX_INFLIGHT = 32
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+libc.syscall.restype = ctypes.c_long
 _NR = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}.get(platform.machine())
 _IOCB_CMD_PWRITE = 1
 
@@ -92,7 +93,7 @@ def _context() -> ctypes.c_ulong:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
         ctx = ctypes.c_ulong(0)
-        if _libc.syscall(_NR[0], MAX_INFLIGHT, ctypes.byref(ctx)) < 0:
+        if libc.syscall(_NR[0], MAX_INFLIGHT, ctypes.byref(ctx)) < 0:
             raise OSError(ctypes.get_errno(), "io_setup failed")
         _local.ctx = ctx
     return ctx
@@ -121,7 +122,7 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
             ptrs[i] = ctypes.pointer(cb)
         submitted = 0
         while submitted < n:
-            r = _libc.syscall(submit, ctx, n - submitted,
+            r = libc.syscall(submit, ctx, n - submitted,
                               ctypes.byref(ptrs, submitted * ctypes.sizeof(ctypes.c_void_p)))
             if r < 0:
                 err = ctypes.get_errno()
@@ -135,7 +136,7 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
         events = (_Event * n)()
         got = 0
         while got < n:
-            r = _libc.syscall(getevents, ctx, n - got, n - got,
+            r = libc.syscall(getevents, ctx, n - got, n - got,
                               ctypes.byref(events, got * ctypes.sizeof(_Event)), None)
             if r < 0:
                 err = ctypes.get_errno()

@@ -21,6 +21,7 @@ import trio
 from . import aio
 from .errors import BackingTimeout
 from .statx import fresh_fstat
+from .libc import libc
 
 _ABANDON_KW = ("abandon_on_cancel" if "abandon_on_cancel"
                in inspect.signature(trio.to_thread.run_sync).parameters else "cancellable")
@@ -209,7 +210,6 @@ def link(root: int, old: bytes, new: bytes) -> os.stat_result:
         return os.stat(n, dir_fd=nfd, follow_symlinks=False)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def rename(root: int, old: bytes, new: bytes, flags: int
@@ -221,7 +221,7 @@ def rename(root: int, old: bytes, new: bytes, flags: int
         except FileNotFoundError:
             target = None
         if flags:
-            if _libc.renameat2(ofd, o, nfd, n, ctypes.c_uint(flags)) != 0:
+            if libc.renameat2(ofd, o, nfd, n, ctypes.c_uint(flags)) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err))
         else:

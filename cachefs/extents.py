@@ -12,6 +12,8 @@ when the file grows.
 
 from __future__ import annotations
 
+import os
+
 from .config import BLK_SIZE, EXT_SIZE
 
 EXT_SHIFT = 16          # 64 KiB extents
@@ -141,3 +143,23 @@ class CachedFile:
 
     def cached_bytes(self) -> int:
         return len(self.extents) * EXT_SIZE
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What makes cached data of a BACKING file valid: inode, size, mtime and ctime."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def runs(mask: int) -> list[tuple[int, int]]:
+    """Runs of set bits in a block mask: [(first, end), ...] in block numbers."""
+    out = []
+    b = 0
+    while mask >> b:
+        if (mask >> b) & 1:
+            start = b
+            while (mask >> b) & 1:
+                b += 1
+            out.append((start, b))
+        else:
+            b += 1
+    return out

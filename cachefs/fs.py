@@ -1,83 +1,72 @@
-"""The pyfuse3 `Operations`: translates FUSE requests into engine and BACKING calls.
+"""The pyfuse3 `Operations`: translates FUSE requests into engine calls.
 
-Owns request translation and the single errno mapping: the only place that raises FUSEError.
-Never runs SQL or touches extent state; BACKING syscalls run through `Backing` (threads with
-a limiter and timeouts), cache data through `Cache`.
-
-Also owns the life of the BACKING descriptors of open handles once released: a request that
-borrows a handle's descriptor (getattr, setattr, xattrs of an open unlinked file) holds it
-(`_borrow`), and a released descriptor is closed only when no borrower uses it any more, so
-no descriptor is used after, or while, it is closed (its number would name another file).
-Released descriptors are closed in batches by several closer tasks, and open() waits while
-too many closes are pending, so descriptors never pile up under open/close churn.
+Owns request translation and the single errno mapping (`to_fuse_error`, applied by
+`_errno_mapped`): the only place that raises FUSEError. Never runs SQL, touches extent state
+or calls `Backing`: cache data goes through `Cache`, BACKING's namespace through
+`Cache.namespace`, open handles and their descriptors through `handles.Handles`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
-import math
 import os
-import resource
 import stat as stat_mod
 import time
-from typing import Iterator
 
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from . import backing as bk
-from .backing import Backing
-from .cache import Cache, OpenFile
+from . import control
+from .cache import Cache
 from .config import EXT_SIZE, Config
-from .errors import BackingTimeout
+from .handles import Handles
+from .hit import OpenFile
 from .inodes import ROOT_INODE, InodeTable
 
 log = logging.getLogger("cachefs.fs")
 
-CONTROL_XATTR = b"user.cachefs.control"
+CONTROL_XATTR = os.fsencode(control.CONTROL_XATTR)
 BLKSIZE = 128 * 1024
-CLOSERS = 4                 # closer tasks (each closes a batch of fds in one thread call)
-CLOSE_BATCH = 256           # fds closed by one thread call at most
-MAX_PENDING_CLOSES = 1024   # open() and create() wait while more fds wait to be closed
-FD_RESERVE = 256            # descriptors kept for the daemon's own work (cache, SQLite, ...)
 
 
 def to_fuse_error(exc: OSError) -> FUSEError:
+    """The errno mapping: an OSError (BACKING's, or the engine's with its errno) as the
+    FUSEError the kernel gets (EIO when it has no errno)."""
     return FUSEError(exc.errno or errno.EIO)
+
+
+def _errno_mapped(handler):
+    """Apply to_fuse_error to every OSError leaving an async handler (all handlers but
+    `read`, which maps its own to keep the hit path one frame deep)."""
+    @functools.wraps(handler)
+    async def mapped(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except OSError as exc:
+            raise to_fuse_error(exc) from None
+    return mapped
 
 
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, cfg: Config, cache: Cache, backing: Backing, inodes: InodeTable,
-                 control_path: str):
+    def __init__(self, cfg: Config, cache: Cache, inodes: InodeTable, control_path: str):
         super().__init__()
         self._cfg = cfg
         self._cache = cache
-        self._backing = backing
+        self._ns = cache.namespace                # BACKING's namespace, through the engine
         self._inodes = inodes
         self._control_path = os.fsencode(control_path)
-        self._open: dict[int, OpenFile] = {}
-        self._handles: dict[int, list[OpenFile]] = {}        # ino -> its open handles
         self._dirs: dict[int, tuple[int, list]] = {}
         self._written_ns: dict[int, int] = {}       # write-back: ino -> time of last write
         self._next_fh = 1
-        self._inval_send, self._inval_recv = trio.open_memory_channel(1024)
-        self._root = backing.root_fd
-        # Released BACKING fds: queued for the closers; the queue is unbounded, but open()
-        # waits while more than MAX_PENDING_CLOSES are queued or being closed.
-        self._close_send, self._close_recv = trio.open_memory_channel(math.inf)
-        self._closes_pending = 0
-        self._close_progress = trio.Event()       # set (and replaced) when a batch closed
-        self._borrowed: dict[int, int] = {}       # BACKING fd -> requests using it now
-        self._retired: set[int] = set()           # released while borrowed: the last closes
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        self._handle_budget = (max(soft - FD_RESERVE, 64) if soft != resource.RLIM_INFINITY
-                               else 1 << 30)
+        self._fds = Handles(cache.namespace)         # open handles and their BACKING fds
+        self._open = self._fds.open                 # fh -> OpenFile (the same dict: read())
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -134,58 +123,6 @@ class Operations(pyfuse3.Operations):
         except OSError as exc:
             raise to_fuse_error(exc) from None
 
-    def _add_handle(self, of: OpenFile) -> None:
-        self._open[of.fh] = of
-        self._handles.setdefault(of.ino, []).append(of)
-
-    @contextlib.contextmanager
-    def _borrow(self, inode: int, fh: int | None = None, writable: bool = False
-                ) -> Iterator[int | None]:
-        """Hold a BACKING fd of an open handle of `inode` (the one named by `fh` if it fits),
-        or None: it reaches the file even after its last name is gone. While held, a release
-        of the handle does not close it (the last borrower queues the close), so the number
-        cannot name another file meanwhile. After a timed-out call (its thread may still run
-        with the fd) the fd is never closed: a leak, never a use of a reused number."""
-        def fits(of: OpenFile) -> bool:
-            return not writable or of.flags & os.O_ACCMODE != os.O_RDONLY
-        of = self._open.get(fh) if fh is not None else None
-        if of is None or not fits(of):
-            of = next((o for o in self._handles.get(inode, ()) if fits(o)), None)
-        if of is None:
-            yield None
-            return
-        fd = of.backing_fd
-        self._borrowed[fd] = self._borrowed.get(fd, 0) + 1
-        abandoned = False
-        try:
-            yield fd
-        except BackingTimeout:
-            abandoned = True
-            raise
-        finally:
-            n = self._borrowed.pop(fd) - 1
-            if n:
-                self._borrowed[fd] = n
-            elif fd in self._retired:
-                self._retired.discard(fd)
-                if abandoned:
-                    log.warning("a BACKING call on a released file timed out; its descriptor "
-                                "stays open")
-                else:
-                    self._queue_close(fd)
-
-    def _queue_close(self, fd: int) -> None:
-        self._closes_pending += 1
-        self._close_send.send_nowait(fd)
-
-    async def _wait_for_fds(self) -> None:
-        """Before opening: wait while released fds pile up unclosed; refuse (ENFILE) when
-        the handles would take the descriptors the daemon needs for its own work."""
-        while self._closes_pending > MAX_PENDING_CLOSES:
-            await self._close_progress.wait()
-        if 2 * len(self._open) + self._closes_pending >= self._handle_budget:
-            raise FUSEError(errno.ENFILE)
-
     def _entry(self, parent: int, name: bytes, st: os.stat_result,
                token: tuple | None = None) -> pyfuse3.EntryAttributes:
         ino = self._inodes.remember(parent, name, st)
@@ -193,58 +130,28 @@ class Operations(pyfuse3.Operations):
             self._cache.attributes_seen(ino, st, token)
         return self._attr(st, ino)
 
-    def kernel_invalidate(self, ino: int) -> None:
-        """Ask the kernel to drop its cached pages and attributes of `ino` (from the engine)."""
-        try:
-            self._inval_send.send_nowait(ino)
-        except trio.WouldBlock:
-            log.warning("kernel invalidation queue full; inode %d may be cached until its "
-                        "attribute timeout", ino)
+    async def run_closer(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The service that closes released BACKING descriptors (Handles.run_closer)."""
+        await self._fds.run_closer(task_status=task_status)
 
     async def run_invalidator(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Ask the kernel to drop its cached pages and attributes of the inodes the engine
+        reports changed behind the cache (Cache.stale_inodes)."""
         task_status.started()
-        async for ino in self._inval_recv:
+        async for ino in self._cache.stale_inodes:
             try:
                 await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
             except OSError as exc:              # ENOENT: the kernel no longer knows the inode
                 if exc.errno not in (errno.ENOENT, errno.EBADF):
                     log.warning("kernel invalidation of inode %d failed: %s", ino, exc)
 
-    async def run_closer(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Close released BACKING fds in threads, so release() answers the kernel at once
-        (a close on NFS may flush for a long time): CLOSERS tasks, each taking every queued
-        fd (up to CLOSE_BATCH) into one thread call."""
-        async with trio.open_nursery() as nursery:
-            for _ in range(CLOSERS):
-                nursery.start_soon(self._closer)
-            task_status.started()
-
-    async def _closer(self) -> None:
-        async for fd in self._close_recv:
-            batch = [fd]
-            while len(batch) < CLOSE_BATCH:
-                try:
-                    batch.append(self._close_recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            try:
-                errors = await self._backing.write_call(bk.close_all, batch)
-            finally:
-                self._closes_pending -= len(batch)
-                self._close_progress.set()
-                self._close_progress = trio.Event()
-            for err in errors:
-                log.warning("closing a BACKING file failed: %s", err)
-
     # -- namespace -----------------------------------------------------------------------
 
+    @_errno_mapped
     async def lookup(self, parent_inode, name, ctx=None):
         token = self._cache.stat_token(None)
         path = self._child(parent_inode, name)
-        try:
-            st = await self._backing.lstat(path)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        st = await self._ns.lstat(path)
         return self._entry(parent_inode, name, st, token)
 
     async def forget(self, inode_list):
@@ -252,23 +159,22 @@ class Operations(pyfuse3.Operations):
             self._inodes.forget(ino, nlookup)
             self._cache.forget(ino)
 
+    @_errno_mapped
     async def getattr(self, inode, ctx=None):
         token = self._cache.stat_token(inode)
-        try:
-            with self._borrow(inode) as fd:
-                if fd is not None:
-                    st = await self._backing.fstat(fd)
-                else:
-                    st = await self._backing.lstat(self._path(inode))
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        with self._fds.borrow(inode) as fd:
+            if fd is not None:
+                st = await self._ns.fstat(fd)
+            else:
+                st = await self._ns.lstat(self._path(inode))
         self._cache.attributes_seen(inode, st, token)
         return self._attr(st, inode)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
-        with self._borrow(inode, fh, writable=bool(fields.update_size)) as fd:
+        with self._fds.borrow(inode, fh, writable=bool(fields.update_size)) as fd:
             return await self._setattr(inode, attr, fields, fd)
 
+    @_errno_mapped
     async def _setattr(self, inode, attr, fields, fd: int | None):
         try:
             path = self._inodes.path(inode)
@@ -276,24 +182,20 @@ class Operations(pyfuse3.Operations):
             if fd is None:
                 raise FUSEError(errno.ENOENT) from None
             path = b""                          # unlinked but open: the fd does it all
-        try:
-            if fields.update_size:
-                await self._cache.truncate(inode, attr.st_size, path, fd)
-            mode = stat_mod.S_IMODE(attr.st_mode) if fields.update_mode else None
-            uid = attr.st_uid if fields.update_uid else -1
-            gid = attr.st_gid if fields.update_gid else -1
-            times = None
-            if fields.update_atime or fields.update_mtime:
-                times = (attr.st_atime_ns if fields.update_atime else None,
-                         attr.st_mtime_ns if fields.update_mtime else None)
-            # chown(f, -1, -1) reaches us with nothing to change, but it changes the ctime
-            # on Linux: BACKING gets the same call.
-            touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
-                         or times is not None)
-            st = await self._backing.write_call(bk.setattr, self._root, path, fd, mode, uid,
-                                                gid, times, touch)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        if fields.update_size:
+            await self._cache.truncate(inode, attr.st_size, path, fd)
+        mode = stat_mod.S_IMODE(attr.st_mode) if fields.update_mode else None
+        uid = attr.st_uid if fields.update_uid else -1
+        gid = attr.st_gid if fields.update_gid else -1
+        times = None
+        if fields.update_atime or fields.update_mtime:
+            times = (attr.st_atime_ns if fields.update_atime else None,
+                     attr.st_mtime_ns if fields.update_mtime else None)
+        # chown(f, -1, -1) reaches us with nothing to change, but it changes the ctime
+        # on Linux: BACKING gets the same call.
+        touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
+                     or times is not None)
+        st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch)
         self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
         if fields.update_mtime:
             self._written_ns.pop(inode, None)       # an explicit mtime wins over our writes
@@ -301,55 +203,40 @@ class Operations(pyfuse3.Operations):
             self._written_ns[inode] = time.time_ns()
         return self._attr(st, inode)
 
+    @_errno_mapped
     async def readlink(self, inode, ctx):
-        try:
-            return await self._backing.read_call("readlink", bk.readlink, self._root,
-                                                 self._path(inode))
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        return await self._ns.readlink(self._path(inode))
 
+    @_errno_mapped
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self._path(parent_inode)
         path = self._child(parent_inode, name)
-        try:
-            st = await self._backing.write_call(bk.mknod, self._root, path, mode, rdev,
-                                                ctx.uid, ctx.gid, parent)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        st = await self._ns.mknod(path, mode, rdev, ctx.uid, ctx.gid, parent)
         return self._entry(parent_inode, name, st)
 
+    @_errno_mapped
     async def mkdir(self, parent_inode, name, mode, ctx):
         parent = self._path(parent_inode)
         path = self._child(parent_inode, name)
-        try:
-            st = await self._backing.write_call(bk.mkdir, self._root, path, mode,
-                                                ctx.uid, ctx.gid, parent)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        st = await self._ns.mkdir(path, mode, ctx.uid, ctx.gid, parent)
         return self._entry(parent_inode, name, st)
 
+    @_errno_mapped
     async def symlink(self, parent_inode, name, target, ctx):
         parent = self._path(parent_inode)
         path = self._child(parent_inode, name)
-        try:
-            st = await self._backing.write_call(bk.symlink, self._root, target, path,
-                                                ctx.uid, ctx.gid, parent)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        st = await self._ns.symlink(target, path, ctx.uid, ctx.gid, parent)
         return self._entry(parent_inode, name, st)
 
+    @_errno_mapped
     async def unlink(self, parent_inode, name, ctx):
         path = self._child(parent_inode, name)
         ino = self._inodes.child(parent_inode, name)
-        try:
-            guarded = await self._last_link(ino, path)
-            if guarded:
-                st = await self._cache.unlink_guarded(
-                    ino, lambda: self._backing.write_call(bk.unlink, self._root, path))
-            else:
-                st = await self._backing.write_call(bk.unlink, self._root, path)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        guarded = await self._last_link(ino, path)
+        if guarded:
+            st = await self._cache.unlink_guarded(ino, lambda: self._ns.unlink(path))
+        else:
+            st = await self._ns.unlink(path)
         self._inodes.unlinked(parent_inode, name)
         if stat_mod.S_ISREG(st.st_mode):
             if st.st_nlink <= 1:
@@ -365,35 +252,29 @@ class Operations(pyfuse3.Operations):
         if not self._cache.needs_unlink_guard(ino):
             return False
         try:
-            st = await self._backing.lstat(path)
+            st = await self._ns.lstat(path)
         except FileNotFoundError:
             return False
         return st.st_nlink <= 1 and self._inodes.ino_of(st) == ino
 
+    @_errno_mapped
     async def rmdir(self, parent_inode, name, ctx):
         path = self._child(parent_inode, name)
-        try:
-            await self._backing.write_call(bk.rmdir, self._root, path)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        await self._ns.rmdir(path)
         self._inodes.unlinked(parent_inode, name)
 
+    @_errno_mapped
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE):
             raise FUSEError(errno.EINVAL)
         old = self._child(parent_inode_old, name_old)
         new = self._child(parent_inode_new, name_new)
         target = self._inodes.child(parent_inode_new, name_new)
-        try:
-            if not flags & pyfuse3.RENAME_EXCHANGE and await self._last_link(target, new):
-                replaced, st = await self._cache.unlink_guarded(
-                    target, lambda: self._backing.write_call(bk.rename, self._root, old, new,
-                                                             flags))
-            else:
-                replaced, st = await self._backing.write_call(bk.rename, self._root, old, new,
-                                                              flags)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        if not flags & pyfuse3.RENAME_EXCHANGE and await self._last_link(target, new):
+            replaced, st = await self._cache.unlink_guarded(
+                target, lambda: self._ns.rename(old, new, flags))
+        else:
+            replaced, st = await self._ns.rename(old, new, flags)
         exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
         self._inodes.renamed(parent_inode_old, name_old, parent_inode_new, name_new, exchange)
         moved = self._inodes.ino_of(st)
@@ -408,13 +289,11 @@ class Operations(pyfuse3.Operations):
                     self._cache.unlink_intent_clear(target)
                 self._cache.own_metadata_change(self._inodes.ino_of(replaced), None)
 
+    @_errno_mapped
     async def link(self, inode, new_parent_inode, new_name, ctx):
         new = self._child(new_parent_inode, new_name)
         old = self._path(inode)
-        try:
-            st = await self._backing.write_call(bk.link, self._root, old, new)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        st = await self._ns.link(old, new)
         self._cache.own_metadata_change(inode, st)
         return self._entry(new_parent_inode, new_name, st)
 
@@ -425,30 +304,26 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=of.fh, direct_io=direct, keep_cache=keep_cache and not direct,
                                 nonseekable=False)
 
+    @_errno_mapped
     async def open(self, inode, flags, ctx):
         path = self._path(inode)
-        await self._wait_for_fds()
+        await self._fds.wait_for_fds()
         fh = self._fh()
-        try:
-            of, keep = await self._cache.open(fh, inode, path, flags)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
-        self._add_handle(of)
+        of, keep = await self._cache.open(fh, inode, path, flags)
+        self._fds.add(of)
         return self._file_info(of, keep)
 
+    @_errno_mapped
     async def create(self, parent_inode, name, mode, flags, ctx):
         parent = self._path(parent_inode)
         path = self._child(parent_inode, name)
-        await self._wait_for_fds()
+        await self._fds.wait_for_fds()
         fh = self._fh()
-        try:
-            of, st = await self._cache.create(fh, path, flags, mode,
-                                              ctx.uid, ctx.gid, parent,
-                                              lambda st: self._inodes.remember(parent_inode,
-                                                                               name, st))
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
-        self._add_handle(of)
+        of, st = await self._cache.create(fh, path, flags, mode,
+                                          ctx.uid, ctx.gid, parent,
+                                          lambda st: self._inodes.remember(parent_inode,
+                                                                           name, st))
+        self._fds.add(of)
         return self._file_info(of, True), self._attr(st, of.ino)
 
     async def read(self, fh, off, size):
@@ -461,12 +336,10 @@ class Operations(pyfuse3.Operations):
             raise to_fuse_error(exc) from None
         return data
 
+    @_errno_mapped
     async def write(self, fh, off, buf):
         of = self._open[fh]
-        try:
-            n = await self._cache.write(of, off, buf)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        n = await self._cache.write(of, off, buf)
         if self._cache.write_back:
             self._written_ns[of.ino] = time.time_ns()
         return n
@@ -475,22 +348,12 @@ class Operations(pyfuse3.Operations):
         pass
 
     async def release(self, fh):
-        of = self._open.pop(fh)
-        handles = self._handles[of.ino]
-        handles.remove(of)
-        if not handles:
-            del self._handles[of.ino]
-        for fd in self._cache.release(of):
-            if fd in self._borrowed:
-                self._retired.add(fd)           # the last borrower queues the close
-            else:
-                self._queue_close(fd)
+        of = self._fds.remove(fh)
+        self._fds.close_later(self._cache.release(of))
 
+    @_errno_mapped
     async def fsync(self, fh, datasync):
-        try:
-            await self._cache.fsync(self._open[fh], datasync)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        await self._cache.fsync(self._open[fh], datasync)
 
     # -- directories ---------------------------------------------------------------------
 
@@ -506,8 +369,7 @@ class Operations(pyfuse3.Operations):
             # Listed from the start (first read, or after rewinddir): the entries as they are
             # now, as on a plain directory; later reads continue this snapshot.
             try:
-                entries = await self._backing.read_call(
-                    "readdir", bk.scandir, self._root, self._inodes.path(parent))
+                entries = await self._ns.scandir(self._inodes.path(parent))
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     raise to_fuse_error(exc) from None
@@ -523,19 +385,14 @@ class Operations(pyfuse3.Operations):
     async def releasedir(self, fh):
         self._dirs.pop(fh, None)
 
+    @_errno_mapped
     async def fsyncdir(self, fh, datasync):
         inode = self._dirs[fh][0]
-        try:
-            await self._backing.write_call(bk.fsync_path, self._root, self._path(inode),
-                                           datasync)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        await self._ns.fsync_path(self._path(inode), datasync)
 
+    @_errno_mapped
     async def statfs(self, ctx):
-        try:
-            sv = await self._backing.read_call("statfs", bk.statvfs, self._root)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        sv = await self._ns.statvfs()
         out = pyfuse3.StatvfsData()
         for field in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
                       "f_ffree", "f_favail", "f_namemax"):
@@ -550,47 +407,37 @@ class Operations(pyfuse3.Operations):
         try:
             return self._inodes.path(inode)
         except OSError as exc:
-            if inode in self._handles:
+            if self._fds.has(inode):
                 return None
             raise to_fuse_error(exc) from None
 
+    @_errno_mapped
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             return self._control_path
         path = self._xattr_target(inode)
-        try:
-            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
-                return await self._backing.read_call("getxattr", bk.getxattr, self._root,
-                                                     path, fd, name)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+            return await self._ns.getxattr(path, fd, name)
 
+    @_errno_mapped
     async def listxattr(self, inode, ctx):
         path = self._xattr_target(inode)
-        try:
-            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
-                names = await self._backing.read_call("listxattr", bk.listxattr, self._root,
-                                                      path, fd)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+            names = await self._ns.listxattr(path, fd)
         return [os.fsencode(n) for n in names]
 
+    @_errno_mapped
     async def setxattr(self, inode, name, value, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             raise FUSEError(errno.EPERM)
         path = self._xattr_target(inode)
-        try:
-            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
-                await self._backing.write_call(bk.setxattr, self._root, path, fd, name, value)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+            await self._ns.setxattr(path, fd, name, value)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
 
+    @_errno_mapped
     async def removexattr(self, inode, name, ctx):
         path = self._xattr_target(inode)
-        try:
-            with self._borrow(inode) if path is None else contextlib.nullcontext() as fd:
-                await self._backing.write_call(bk.removexattr, self._root, path, fd, name)
-        except OSError as exc:
-            raise to_fuse_error(exc) from None
+        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+            await self._ns.removexattr(path, fd, name)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved

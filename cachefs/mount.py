@@ -10,24 +10,19 @@ services stop -> a durable commit of all metadata (shielded) -> the store closes
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import logging
 import os
-import resource
-import shutil
 import signal
 import socket
 import sqlite3
-import stat
 import subprocess
-import time
 from typing import Callable
 
 import pyfuse3
 import trio
 
 from . import oplog
+from . import mounttable
 from .backing import Backing, open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
@@ -35,188 +30,13 @@ from .control import ControlServer, socket_path
 from .errors import CommandFailed, UserError
 from .fs import Operations
 from .inodes import InodeTable
+from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
+                        prepare_cache_dir, raise_fd_limit)
 from .stats import Stats
 from .store import MetadataStore
 from .warm import Warm
 
 log = logging.getLogger("cachefs")
-
-MIN_FREE_FRACTION = 0.10
-
-
-def _inside(path: str, parent: str) -> bool:
-    path, parent = os.path.realpath(path), os.path.realpath(parent)
-    return path == parent or path.startswith(parent.rstrip("/") + "/")
-
-
-def _same(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def check_paths(cfg: Config) -> None:
-    """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
-    cfg.validate()
-    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
-        try:
-            os.stat(path)
-        except OSError as exc:
-            if exc.errno == errno.ENOTCONN:
-                raise UserError(f"{what} {path} is a dead FUSE mount (transport endpoint is "
-                                f"not connected); run fusermount3 -u {path} first.") from None
-        if not os.path.exists(path):
-            raise UserError(f"{what} {path} does not exist.")
-        if not os.path.isdir(path):
-            raise UserError(f"{what} {path} is not a directory.")
-    if os.path.ismount(cfg.mountpoint) and _is_fuse_mount(cfg.mountpoint):
-        raise UserError(f"MOUNTPOINT {cfg.mountpoint} is already mounted "
-                        "(unmount it first with cachefs umount).")
-    if _inside(cfg.backing, cfg.mountpoint) or _inside(cfg.mountpoint, cfg.backing):
-        raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
-                        "contain each other.")
-    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
-        if _same(cfg.cache_dir, path):
-            raise UserError(f"the cache directory {cfg.cache_dir} is {what} itself; it must "
-                            "be a directory of its own on the fast local disk.")
-        if _inside(cfg.cache_dir, path):
-            raise UserError(f"the cache directory {cfg.cache_dir} is inside {what} {path}; "
-                            "it must be on the fast local disk, outside both.")
-        if _inside(path, cfg.cache_dir):
-            raise UserError(f"{what} {path} is inside the cache directory {cfg.cache_dir}; "
-                            "the cache directory must be a directory of its own, apart "
-                            "from both.")
-    if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
-        raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
-    if not os.path.exists("/dev/fuse"):
-        raise UserError("/dev/fuse does not exist: load the fuse kernel module "
-                        "(modprobe fuse) or run where FUSE is available.")
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        raise UserError("no permission to open /dev/fuse: run as root or add the user to "
-                        "the group that owns /dev/fuse.")
-    if shutil.which("fusermount3") is None and os.geteuid() != 0:
-        raise UserError("fusermount3 is not installed (apt-get install fuse3).")
-
-
-def _is_fuse_mount(path: str) -> bool:
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 2 and _unescape(fields[1]) == real:
-                    return True
-    except OSError:
-        return True
-    return False
-
-
-def _unescape(field: str) -> str:
-    return field.encode().decode("unicode_escape") if "\\" in field else field
-
-
-def prepare_cache_dir(cfg: Config, data_files: bool = True) -> None:
-    """Create the cache directory (and data/) if needed and make it private (make_private;
-    `data_files=False` leaves the data files to the daemon's own call)."""
-    try:
-        os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)
-        os.makedirs(os.path.join(cfg.cache_dir, "data"), mode=0o700, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create the cache directory {cfg.cache_dir}: "
-                        f"{exc.strerror}.") from None
-    if not os.access(cfg.cache_dir, os.W_OK):
-        raise UserError(f"the cache directory {cfg.cache_dir} is not writable.")
-    make_private(cfg.cache_dir, data_files)
-
-
-# Files of the cache directory besides data/ (SQLite gives -wal and -shm the mode of the
-# database file, so that one is created 0600 before SQLite opens it: see MetadataStore).
-PRIVATE_FILES = ("cachefs.db", "cachefs.db-wal", "cachefs.db-shm", "cachefs.log", "lock",
-                 "doubt.log", "doubt.log.prev", "control.sock", "reserve")
-
-
-def make_private(cache_dir: str, data_files: bool = True) -> None:
-    """The cache directory holds BACKING's paths, sizes and data: only the daemon's user
-    may read it. The directory, data/ and its subdirectories become 0700 (also when they
-    existed with wider modes) and every file of ours loses its group and other bits. Files
-    created later are private by their creation mode (the daemon runs with umask 0).
-
-    Raises UserError if a mode cannot be changed (for example, another user owns the
-    directory)."""
-    data = os.path.join(cache_dir, "data")
-    paths = [cache_dir, data, *(os.path.join(cache_dir, name) for name in PRIVATE_FILES)]
-    try:
-        with os.scandir(data) as it:
-            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        subdirs = []
-    paths += subdirs
-    if data_files:                      # a stat per data file: milliseconds per thousand
-        for sub in subdirs:
-            with os.scandir(sub) as it:
-                paths += [e.path for e in it
-                          if e.is_file(follow_symlinks=False) and e.stat().st_mode & 0o077]
-    for path in paths:
-        try:
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
-                continue
-            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise UserError(f"cannot make {path} private to its user (mode 0700 for "
-                            f"directories, 0600 for files): {exc.strerror}.") from None
-
-
-def lock_cache_dir(cache_dir: str) -> int:
-    """Take the one-instance-per-cache-dir lock; the fd stays open for the daemon's life."""
-    path = os.path.join(cache_dir, "lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise UserError(f"the cache directory {cache_dir} is in use by another cachefs "
-                        f"(pid {owner}); one instance may use a cache directory.") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def cache_dir_usage(cache_dir: str) -> int:
-    """Bytes the cache directory itself occupies on its filesystem (data files, database)."""
-    used = 0
-    for dirpath, _, names in os.walk(cache_dir):
-        for name in names:
-            try:
-                used += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                continue
-    return used
-
-
-def cache_capacity(cfg: Config, cached_bytes: int) -> int:
-    """The pool size in bytes: --cache-size, or what keeps the cache filesystem 10 % free.
-
-    `cached_bytes` is what cachefs already holds there (cache_dir_usage): it counts as
-    free for the pool, so a warm cache keeps every extent across a remount instead of
-    shrinking by what it holds.
-    """
-    sv = os.statvfs(cfg.cache_dir)
-    total = sv.f_blocks * sv.f_frsize
-    avail = sv.f_bavail * sv.f_frsize
-    if cfg.cache_size is not None:
-        if cfg.cache_size > total:
-            raise UserError(f"--cache-size {format_size(cfg.cache_size)} is larger than the "
-                            f"cache filesystem ({format_size(total)}).")
-        return cfg.cache_size
-    size = avail + cached_bytes - int(total * MIN_FREE_FRACTION)
-    if size < 16 * EXT_SIZE:
-        raise UserError(f"the cache filesystem of {cfg.cache_dir} has less than "
-                        f"{MIN_FREE_FRACTION:.0%} free ({format_size(avail)} available); "
-                        "free space or give --cache-size.")
-    return size
-
 
 def sd_notify(message: str) -> None:
     """Tell systemd (Type=notify) about our state, if it is listening."""
@@ -242,13 +62,8 @@ def raise_max_background(real_mountpoint: str, limit: int = MAX_BACKGROUND) -> i
     itself (a stat of our own mount from the event loop would deadlock)."""
     if os.geteuid() != 0:
         return None
-    real = real_mountpoint             # resolved before mounting: realpath would stat us
-    dev = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and _unescape(fields[4]) == real:
-                dev = fields[2].split(":")[1]
+    # resolved before mounting: realpath would stat us
+    dev = mounttable.device_of(real_mountpoint)
     if dev is None:
         return None
     conn = os.path.join(FUSECTL, dev)
@@ -306,17 +121,16 @@ class Daemon:
         capacity = cache_capacity(self.cfg, cache_dir_usage(self.cfg.cache_dir)) // EXT_SIZE
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
-        self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity,
-                           on_stale=lambda ino: self.ops.kernel_invalidate(ino))
+        self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
         self.cache.load(self.clean_start)
         if self.cache.dirty:
             log.info("%s of dirty data from an earlier write-back mount will be destaged",
                      format_size(self.cache.dirty_bytes()))
         inodes = InodeTable(root_st)
-        self.ops = Operations(self.cfg, self.cache, self.backing, inodes, self.control_path)
+        self.ops = Operations(self.cfg, self.cache, inodes, self.control_path)
         self.warm = Warm(self.cfg, self.cache, self.backing, self.store, self.stats, inodes)
         self.warm.load()
-        self.cache.pins = self.warm
+        self.cache.name_listener(self.warm)
         log.info("cache %s: %s for %s, %d extents (%s) warm", self.cfg.cache_dir,
                  format_size(capacity * EXT_SIZE), self.cfg.backing, len(self.cache.pool),
                  format_size(self.cache.used_bytes()))
@@ -341,34 +155,8 @@ class Daemon:
     async def flush_cmd(self, request: dict, progress) -> dict:
         """Destage everything; progress lines every half second; fails with the reason."""
         timeout = request.get("timeout")
-        await self.flush(timeout, progress)
+        await self.cache.destager.flush(timeout, progress)
         return {"dirty_bytes": 0}
-
-    async def flush(self, timeout_s: float | None, progress=None) -> None:
-        cache, d = self.cache, self.cache.destager
-        start = time.monotonic()
-        d.force += 1
-        try:
-            while cache.dirty:
-                if progress is not None:
-                    await progress({"dirty_bytes": cache.dirty_bytes(),
-                                    "destaged_bytes": self.stats.destaged_bytes,
-                                    "destage_rate": round(d.rate), "eta_s": d.eta_s()})
-                if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    raise CommandFailed(
-                        f"flush timed out after {timeout_s:g} s with "
-                        f"{format_size(cache.dirty_bytes())} still dirty"
-                        + (f"; last error: {d.last_error}" if d.last_error else "") + ".")
-                if (d.last_error and d.last_error_s > start
-                        and time.monotonic() - d.last_progress_s > 5):
-                    raise CommandFailed(f"{d.last_error}; "
-                                        f"{format_size(cache.dirty_bytes())} still dirty.")
-                dirty_event = cache.progress_event
-                with trio.move_on_after(0.5):
-                    await dirty_event.wait()
-            await cache.persist(durable=True)
-        finally:
-            d.force -= 1
 
     async def drop_cmd(self, request: dict, progress) -> dict:
         """Evict clean data; pinned files keep theirs unless `pinned` (then pins go too)."""
@@ -405,10 +193,10 @@ class Daemon:
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
-                self.cache.nursery = nursery
                 await nursery.start(control.run)
+                await nursery.start(self.cache.run_readahead)
                 await nursery.start(self.cache.run_promoter)
-                await nursery.start(self.cache.run_persister)
+                await nursery.start(self.cache.persister.run)
                 await nursery.start(self.ops.run_invalidator)
                 await nursery.start(self.ops.run_closer)
                 await nursery.start(self.cache.destager.run)
@@ -461,10 +249,14 @@ class Daemon:
         task_status.started()
         while True:
             await trio.sleep(self.cfg.commit_interval_s)
-            self._save_lifetime()
+            totals = self.stats.lifetime()
+            if totals != self._lifetime_saved:
+                # In the store's thread, after any commit in flight: never on the event loop.
+                await self.store.run_async(self._save_lifetime, totals)
 
-    def _save_lifetime(self) -> None:
-        totals = self.stats.lifetime()
+    def _save_lifetime(self, totals: dict[str, int] | None = None) -> None:
+        if totals is None:
+            totals = self.stats.lifetime()
         if totals == self._lifetime_saved:
             return
         try:
@@ -480,7 +272,7 @@ class Daemon:
         log.info("destaging %s of write-back data before mounting in write-through mode",
                  format_size(self.cache.dirty_bytes()))
         try:
-            await self.flush(None)
+            await self.cache.destager.flush(None)
         except CommandFailed as exc:
             raise UserError(f"cannot mount in write-through mode: {exc} Mount in "
                             "write-back mode or repair BACKING.") from None
@@ -512,22 +304,14 @@ async def _fuse_main() -> None:
         log.warning("the kernel aborted the FUSE connection; shutting down")
 
 
-def raise_fd_limit() -> int:
-    """Raise the soft limit of open descriptors to the hard limit (trio uses epoll, so no
-    select() limit applies): every open handle holds one or two BACKING descriptors.
-    Returns the soft limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:
-            log.info("could not raise the open file limit from %d to %d: %s", soft, hard, exc)
-    return soft
+USER_MISTAKE = "user mistake: "     # how `ready` marks a UserError for the waiting CLI
 
 
 def run(cfg: Config, ready: Callable[[str | None], None]) -> int:
-    """Run a mount in this process until it is unmounted; returns the exit status."""
+    """Run a mount in this process until it is unmounted; returns the exit status.
+
+    `ready` gets None once mounted, or why not: a user mistake (UserError) as USER_MISTAKE
+    and its sentence, so that `cachefs mount` in the background exits 2 for it too."""
     try:
         check_paths(cfg)
         raise_fd_limit()
@@ -536,13 +320,13 @@ def run(cfg: Config, ready: Callable[[str | None], None]) -> int:
         daemon = Daemon(cfg)
         daemon.open()
     except UserError as exc:
-        ready(str(exc))
+        ready(USER_MISTAKE + str(exc))
         raise
     os.umask(0)
     try:
         trio.run(daemon.serve, ready)
     except UserError as exc:
-        ready(str(exc))
+        ready(USER_MISTAKE + str(exc))
         raise
     finally:
         os.close(lock_fd)

@@ -33,7 +33,7 @@ MAX_AGE_S = 1.0            # older bytes read ahead are not used
 def depth(size: int) -> int:
     """How many requests of `size` bytes to keep read ahead. Measured on the emulator
     (seq-read-1m, 1 MiB requests, QD 4, BACKING alone 105 IOPS): 2 ahead 92, 4 ahead 93-95,
-    8 ahead 97-99, 16 ahead 103 (97 with the thread cap in cache.py). Linux's NFS client
+    8 ahead 97-99, 16 ahead 103 (97 with the thread cap in readpath.py). Linux's NFS client
     long read ahead about as much (15 x rsize)."""
     return max(1, min(MAX_DEPTH, WINDOW // max(size, 1)))
 

@@ -11,8 +11,10 @@ cache (issue 9). `statx(AT_STATX_FORCE_SYNC)` makes the filesystem ask its serve
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import errno
 import os
+
+from .libc import libc
 
 AT_EMPTY_PATH = 0x1000
 AT_STATX_FORCE_SYNC = 0x2000
@@ -37,12 +39,11 @@ class _Statx(ctypes.Structure):
 
 
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    _statx = _libc.statx
+    _statx = libc.statx
     _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
                        ctypes.POINTER(_Statx)]
     _statx.restype = ctypes.c_int
-except (OSError, AttributeError):          # no statx in this libc: plain fstat
+except AttributeError:                     # no statx in this libc: plain fstat
     _statx = None
 
 
@@ -59,7 +60,7 @@ def fresh_fstat(fd: int) -> os.stat_result:
     if _statx(fd, b"", AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_BASIC_STATS,
               ctypes.byref(buf)) != 0:
         err = ctypes.get_errno()
-        if err == 38:                       # ENOSYS: a kernel without statx
+        if err == errno.ENOSYS:             # a kernel without statx
             return os.fstat(fd)
         raise OSError(err, os.strerror(err))
     ns = lambda ts: ts.tv_sec * 1_000_000_000 + ts.tv_nsec      # noqa: E731

@@ -1,8 +1,11 @@
 """The durable record of the cache: SQLite schema, migrations, batched persistence, recovery.
 
-Owns the one SQLite connection (used from the trio thread only). The in-memory extent map is
-the hot index; this module only receives queued changes and commits them in batches, so no
-SQL runs per request. Durability order (DESIGN.md §4): cache data is fdatasync'd before the
+Owns the one SQLite connection. The in-memory extent map is the hot index; this module only
+receives queued changes and commits them in batches, so no SQL runs per request. A commit
+(an fsync with synchronous=FULL) runs in a worker thread (`commit_async`, one at a time), so
+the event loop, and with it every cache hit, never waits for it; every use of the connection
+holds `_lock`, so it is used by one thread at a time (the trio thread for the rare sync calls:
+startup, pins, close). Durability order (DESIGN.md §4): cache data is fdatasync'd before the
 commit that claims it; SSD space of an evicted extent is released (hole punched) only after
 the commit that forgets it is durable.
 """
@@ -11,10 +14,13 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import struct
+import threading
 import time
 
+import trio
+
 from .errors import UserError
+from .journal import DoubtJournal
 
 SCHEMA_VERSION = 3
 RESERVE_BYTES = 8 << 20         # see ensure_reserve()
@@ -81,7 +87,9 @@ class MetadataStore:
         self._meta: dict[str, str | None] = {}         # meta rows to set (None: delete)
         self.commits = 0
         self.last_commit_s = 0.0
-        self._jfd = -1
+        self.journal = DoubtJournal(cache_dir)        # write-back: extents in doubt
+        self._lock = threading.Lock()                  # held by every use of self._db
+        self._limiter = trio.CapacityLimiter(1)        # commits run one at a time, in order
 
     # -- opening -------------------------------------------------------------------------
 
@@ -148,18 +156,16 @@ class MetadataStore:
                             f"file: {exc.strerror}.") from None
 
     def set_meta(self, key: str, value: str) -> None:
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-
-    def get_meta(self, key: str) -> str | None:
-        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return row[0] if row else None
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     # -- lifetime totals (stats that span remounts; kept in meta, see the schema) --------
 
     def load_lifetime(self) -> tuple[dict[str, int], float]:
         """The saved lifetime totals and the wall time they started (now, for a new cache)."""
-        rows = self._db.execute("SELECT key, value FROM meta WHERE key LIKE 'lifetime.%'")
-        saved = {key[len("lifetime."):]: value for key, value in rows}
+        with self._lock:
+            rows = self._db.execute("SELECT key, value FROM meta WHERE key LIKE 'lifetime.%'")
+            saved = {key[len("lifetime."):]: value for key, value in rows}
         since = saved.pop("since", None)
         totals = {}
         for name, value in saved.items():
@@ -174,8 +180,8 @@ class MetadataStore:
 
     def save_lifetime(self, totals: dict[str, int]) -> None:
         """Record the lifetime totals in one small transaction (no fsync: WAL, synchronous
-        NORMAL; a clean close makes them durable)."""
-        with self._db:
+        NORMAL; a clean close makes them durable). Runs in any thread (see run_async)."""
+        with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                                  [(f"lifetime.{k}", str(v)) for k, v in totals.items()])
@@ -185,10 +191,11 @@ class MetadataStore:
         """All files (ino -> (size, mtime_ns, ctime_ns, path, lsize)) and extents
         (ino, ext, valid, dirty)."""
         try:
-            files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
-                     for ino, size, mt, ct, path, lsize in self._db.execute(
-                         "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
-            extents = list(self._db.execute("SELECT ino, ext, valid, dirty FROM extents"))
+            with self._lock:
+                files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
+                         for ino, size, mt, ct, path, lsize in self._db.execute(
+                             "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
+                extents = list(self._db.execute("SELECT ino, ext, valid, dirty FROM extents"))
         except sqlite3.DatabaseError as exc:
             raise UserError(f"the metadata database {self.path} is corrupt ({exc}); move the "
                             "cache directory away to start a cold cache (dirty write-back "
@@ -199,8 +206,9 @@ class MetadataStore:
 
     def load_pins(self) -> list[tuple[int, bytes, int]]:
         """Every pin: (ino, path relative to BACKING's root, size)."""
-        return [(ino, bytes(path), size) for ino, path, size in
-                self._db.execute("SELECT ino, path, size FROM pins")]
+        with self._lock:
+            return [(ino, bytes(path), size) for ino, path, size in
+                    self._db.execute("SELECT ino, path, size FROM pins")]
 
     def set_pins(self, pins: list[tuple[int, bytes, int]]) -> None:
         """Record (or update) pins (ino, path, size) in one transaction."""
@@ -210,17 +218,20 @@ class MetadataStore:
         self._write("DELETE FROM pins WHERE ino=?", [(ino,) for ino in inos])
 
     def _write(self, sql: str, rows: list[tuple]) -> None:
+        """One small transaction on the calling (trio) thread: it waits for a commit in
+        flight, if any (pins change only on operator commands, renames and unlinks)."""
         if not rows:
             return
         db = self._db
-        try:
-            db.execute("BEGIN")
-            db.executemany(sql, rows)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
+        with self._lock:
+            try:
+                db.execute("BEGIN")
+                db.executemany(sql, rows)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
 
     # -- queueing (sync, cheap, called by the engine) ------------------------------------
 
@@ -246,58 +257,9 @@ class MetadataStore:
         self._meta[key] = value
 
     def meta_keys(self, prefix: str) -> list[str]:
-        return [k for (k,) in self._db.execute("SELECT key FROM meta WHERE key >= ? AND "
-                                               "key < ?", (prefix, prefix + "\uffff"))]
-
-    # -- the doubt journal (write-back) ----------------------------------------------------
-    # A write-back write that modifies blocks the database may record as clean appends
-    # (ino, ext) here first. The journal is rotated when a batch is taken and the previous
-    # one removed once that batch is committed; after an unclean stop, recovery treats every
-    # valid block of a journaled extent as dirty, so data newer than BACKING is never
-    # mistaken for clean.
-
-    def journal_dirtying(self, ino: int, ext: int) -> None:
-        if self._jfd < 0:
-            self._jfd = os.open(self._journal(""), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                                | os.O_CLOEXEC, 0o600)
-        os.write(self._jfd, struct.pack("<QQ", ino, ext))
-
-    def _journal(self, suffix: str) -> str:
-        return os.path.join(self.cache_dir, "doubt.log" + suffix)
-
-    def _rotate_journal(self) -> None:
-        if self._jfd >= 0:
-            os.close(self._jfd)
-            self._jfd = -1
-            if os.path.exists(self._journal(".prev")):
-                # The previous batch was not committed (requeued): its entries still count.
-                with open(self._journal(""), "rb") as f:
-                    raw = f.read()
-                with open(self._journal(".prev"), "ab") as f:
-                    f.write(raw)
-                os.unlink(self._journal(""))
-            else:
-                os.replace(self._journal(""), self._journal(".prev"))
-
-    def read_journal(self) -> set[tuple[int, int]]:
-        """Extents in doubt after an unclean stop (both journal generations)."""
-        out: set[tuple[int, int]] = set()
-        for suffix in (".prev", ""):
-            try:
-                with open(self._journal(suffix), "rb") as f:
-                    raw = f.read()
-            except FileNotFoundError:
-                continue
-            for i in range(0, len(raw) - 15, 16):
-                out.add(struct.unpack_from("<QQ", raw, i))
-        return out
-
-    def clear_journal(self) -> None:
-        for suffix in (".prev", ""):
-            try:
-                os.unlink(self._journal(suffix))
-            except FileNotFoundError:
-                pass
+        with self._lock:
+            return [k for (k,) in self._db.execute("SELECT key FROM meta WHERE key >= ? AND "
+                                                   "key < ?", (prefix, prefix + "\uffff"))]
 
     def pending(self) -> int:
         return len(self._dropped) + len(self._files) + len(self._extents) + len(self._meta)
@@ -308,7 +270,7 @@ class MetadataStore:
         """Detach the queued changes; the caller syncs their data, then calls commit()."""
         batch = (self._dropped, self._files, self._extents, self._meta)
         self._dropped, self._files, self._extents, self._meta = set(), {}, {}, {}
-        self._rotate_journal()
+        self.journal.rotate()
         return batch
 
     def requeue(self, batch: tuple[set, dict, dict, dict]) -> None:
@@ -359,8 +321,22 @@ class MetadataStore:
         except FileNotFoundError:
             return False
 
+    async def run_async(self, fn, *args):
+        """Run `fn(*args)` (a method of this store that uses the database) in a worker
+        thread, one at a time and in the order asked: the event loop goes on meanwhile."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def commit_async(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
+        """commit() in the store's worker thread (see run_async)."""
+        await self.run_async(self.commit, batch, durable)
+
     def commit(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
-        """Write one batch in one transaction; `durable` makes the commit survive power loss."""
+        """Write one batch in one transaction; `durable` makes the commit survive power loss.
+        Runs in any thread; the connection is held meanwhile."""
+        with self._lock:
+            self._commit_locked(batch, durable)
+
+    def _commit_locked(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
         dropped, files, extents, meta = batch
         db = self._db
         if durable:
@@ -390,21 +366,19 @@ class MetadataStore:
                 db.execute("PRAGMA synchronous=NORMAL")
         self.commits += 1
         self.last_commit_s = time.monotonic()
-        try:
-            os.unlink(self._journal(".prev"))       # its extents' state is now recorded
-        except FileNotFoundError:
-            pass
+        self.journal.committed()
 
     def close(self, clean: bool) -> None:
         if self._db is None:
             return
-        if self._jfd >= 0:
-            os.close(self._jfd)
-            self._jfd = -1
+        self.journal.close()
         if clean:
-            self.clear_journal()
-            self._db.execute("PRAGMA synchronous=FULL")
+            self.journal.clear()
+            with self._lock:
+                self._db.execute("PRAGMA synchronous=FULL")
             self.set_meta("clean", "1")
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        self._db.close()
-        self._db = None
+        with self._lock:
+            if clean:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.close()
+            self._db = None

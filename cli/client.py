@@ -8,9 +8,8 @@ import os
 import socket
 from typing import Callable, Iterator
 
+from cachefs.control import CONTROL_XATTR
 from cachefs.errors import UserError
-
-CONTROL_XATTR = "user.cachefs.control"
 
 
 def control_path(mountpoint: str) -> str:

@@ -11,6 +11,7 @@ import time
 
 import tqdm
 
+from cachefs import mounttable
 from cachefs.config import format_size
 from cachefs.errors import UserError
 
@@ -209,17 +210,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 def cachefs_mounts() -> list[str]:
     """Mountpoints of FUSE filesystems (cachefs ones answer the control xattr)."""
-    out = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 2 and fields[2].startswith("fuse"):
-                out.append(_unescape(fields[1]))
-    return out
-
-
-def _unescape(field: str) -> str:
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    return [mnt for mnt, fstype in mounttable.mounts() if fstype.startswith("fuse")]
 
 
 def locate(paths: list[str]) -> dict[str, list[str]]:

@@ -12,6 +12,7 @@ import time
 
 from cachefs import __version__
 from cachefs import mount as mnt
+from cachefs import mounttable, preflight
 from cachefs.config import format_size
 from cachefs.errors import UserError
 
@@ -59,8 +60,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.foreground:
         return _run_foreground(cfg)
-    mnt.check_paths(cfg)
-    mnt.prepare_cache_dir(cfg, data_files=False)       # the daemon walks data/ itself
+    preflight.check_paths(cfg)
+    preflight.prepare_cache_dir(cfg, data_files=False)     # the daemon walks data/ itself
     log_path = os.path.join(cfg.cache_dir, "cachefs.log")
     r, w = os.pipe()
     log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
@@ -75,6 +76,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
     answer = _read_ready(r, proc)
     if answer == "ok":
         return 0
+    status = 1
+    if answer.startswith(mnt.USER_MISTAKE):              # the daemon found a user mistake
+        answer = answer[len(mnt.USER_MISTAKE):]
+        status = 2
     libfuse = _libfuse_lines(log_path, log_start)      # e.g. "fuse: unknown option(s)"
     if answer and libfuse:
         answer = answer.replace("libfuse says why above", "libfuse said: " + "; ".join(libfuse))
@@ -83,7 +88,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     else:
         print(f"cachefs: the daemon exited (status {proc.poll()}) before the mount was ready; "
               f"see {log_path}.", file=sys.stderr)
-    return 1
+    return status
 
 
 def _libfuse_lines(log_path: str, start: int) -> list[str]:
@@ -163,12 +168,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _is_cachefs_mount(path: str) -> bool:
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 2 and fields[1] == path and fields[2] == "fuse.cachefs":
-                return True
-    return False
+    return (path, "fuse.cachefs") in mounttable.mounts()
 
 
 def _wait_exit(pid: int, timeout_s: float) -> bool:

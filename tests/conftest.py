@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import pytest
 CACHEFS = [sys.executable, "-m", "cachefs_cli.main"]
 CTL = [sys.executable, "-m", "cachefs_cli.ctl"]
 REPO = Path(__file__).resolve().parent.parent
+EXT_SIZE = 64 * 1024
 
 
 def fuse_unusable() -> str | None:
@@ -233,3 +235,25 @@ def make_tmpfs(tmp_path):
     finally:
         for where in made:
             subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+# -- reading through a mount ------------------------------------------------------------------
+
+def read_blocks(path, offsets, size: int = 4096) -> dict[int, bytes]:
+    """Read with O_DIRECT so the kernel page cache cannot answer for cachefs."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        return {off: os.pread(fd, size, off) for off in offsets}
+    finally:
+        os.close(fd)
+
+
+def warm(m: Mount, name: str, size: int, passes: int = 2) -> None:
+    """Read every 4 KiB block of a file `passes` times in random order, then wait until
+    all its extents are cached."""
+    offsets = list(range(0, size, 4096))
+    for _ in range(passes):
+        random.shuffle(offsets)
+        read_blocks(m.path(name), offsets)
+    want = (size + EXT_SIZE - 1) // EXT_SIZE
+    wait_until(lambda: m.stats()["extents_cached"] >= want, 10, what="promotion")

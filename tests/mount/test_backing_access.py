@@ -148,7 +148,7 @@ def test_open_close_churn_keeps_descriptors_bounded(make_mount):
         t.join()
     assert not errors, (len(errors), errors[:3])
     assert opens[0] > 1000
-    # fs.MAX_PENDING_CLOSES (1024) released fds at most, plus the open handles' own.
+    # handles.MAX_PENDING_CLOSES (1024) released fds at most, plus the open handles' own.
     assert peak[0] < base + 1500, (base, peak[0], opens[0])
     m.stop()                            # rc 0, no Traceback
     assert_clean_log(m.logs[-1])

@@ -7,29 +7,11 @@ import time
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import read_blocks, wait_until, warm
 
 pytestmark = pytest.mark.fuse
 
 EXT = 64 * 1024
-
-
-def read_blocks(path, offsets, size=4096):
-    """Read with O_DIRECT so the kernel page cache cannot answer for cachefs."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        return {off: os.pread(fd, size, off) for off in offsets}
-    finally:
-        os.close(fd)
-
-
-def warm(m, name, size, passes=2):
-    offsets = list(range(0, size, 4096))
-    for _ in range(passes):
-        random.shuffle(offsets)
-        read_blocks(m.path(name), offsets)
-    want = (size + EXT - 1) // EXT
-    wait_until(lambda: m.stats()["extents_cached"] >= want, 10, what="promotion")
 
 
 def test_second_read_comes_from_ssd_also_after_remount(make_mount):

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.mount.test_cache import read_blocks, warm  # noqa: E402
+from tests.conftest import read_blocks, warm  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 

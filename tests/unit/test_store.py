@@ -1,8 +1,12 @@
-"""The SQLite record: batches, drop-then-re-add, ownership and corruption errors."""
+"""The SQLite record: batches, drop-then-re-add, ownership and corruption errors, commits in
+the store's thread."""
 
 import os
+import threading
+import time
 
 import pytest
+import trio
 
 from cachefs.errors import UserError
 from cachefs.store import MetadataStore
@@ -77,3 +81,39 @@ def test_schema_2_migrates_to_3_with_pins(tmp_path):
     s.close(clean=True)
     s = _open(tmp_path)
     assert s.load_pins() == [(7, b"renamed", 100)]
+
+
+async def test_commit_async_runs_off_the_event_loop_and_excludes_other_db_use(tmp_path):
+    """A commit (an fsync) runs in the store's thread: the event loop goes on meanwhile,
+    and a database call on the loop waits until the commit is done (one user at a time)."""
+    s = _open(tmp_path)
+    in_commit = threading.Event()
+    release = threading.Event()
+    commit = s._commit_locked
+    order = []
+
+    def slow_commit(batch, durable):
+        in_commit.set()
+        release.wait(10)                     # an fsync that takes long
+        commit(batch, durable)
+        order.append("commit")
+
+    s._commit_locked = slow_commit
+    s.queue_extent(1, 0, 0xFFFF, 0)
+    ticks = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(s.commit_async, s.take_batch(), True)
+        while not in_commit.is_set():
+            await trio.sleep(0.001)
+        for _ in range(20):                  # the loop runs while the commit is in flight
+            await trio.sleep(0)
+            ticks += 1
+        threading.Timer(0.2, release.set).start()
+        t0 = time.monotonic()
+        s.set_pins([(1, b"f", 10)])          # on the loop: waits for the commit's end
+        order.append("pins")
+        assert time.monotonic() - t0 >= 0.1
+    assert ticks == 20 and order == ["commit", "pins"]
+    assert s.load_pins() == [(1, b"f", 10)]
+    assert s.load()[1] == [(1, 0, 0xFFFF, 0)]
+    s.close(clean=True)

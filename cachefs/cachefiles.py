@@ -1,0 +1,109 @@
+"""The SSD cache files: one sparse file per BACKING inode under the cache directory's data/,
+holding its cached extents at their natural offsets.
+
+Owns the cache files' paths, the opening and closing of their descriptors (`CachedFile.
+cache_fd`, open while the file is open or being written), writing (`pwrite_all`), releasing
+space (`punch_hole`, `punch_holes`) and making data durable (`fdatasync_paths`). Knows
+nothing of extents or the store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+from .config import EXT_SIZE
+from .extents import EXT_SHIFT, CachedFile
+from .libc import libc
+
+_FALLOC_PUNCH = 0x01 | 0x02          # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+
+class CacheFiles:
+    """The cache files of one cache directory."""
+
+    def __init__(self, cache_dir: str):
+        self.data_dir = os.path.join(cache_dir, "data")
+
+    def path(self, ino: int) -> str:
+        return os.path.join(self.data_dir, "%02x" % (ino & 0xFF), str(ino))
+
+    def fd(self, cf: CachedFile) -> int:
+        """The file's cache-file descriptor, opened (and the file made) if needed."""
+        if cf.cache_fd < 0:
+            path = self.path(cf.ino)
+            try:
+                cf.cache_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # umask is 0
+                cf.cache_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        return cf.cache_fd
+
+    def close_idle(self, cf: CachedFile) -> None:
+        """Close the descriptor of a file no handle has open."""
+        if cf.open_count == 0 and cf.cache_fd >= 0:
+            os.close(cf.cache_fd)
+            cf.cache_fd = -1
+
+    def truncate(self, cf: CachedFile, size: int) -> None:
+        """Cut (or extend with a hole) the cache file; a missing one is left missing."""
+        if cf.cache_fd >= 0:
+            os.ftruncate(cf.cache_fd, size)
+        else:
+            os.truncate(self.path(cf.ino), size)
+
+    def remove(self, ino: int) -> None:
+        try:
+            os.unlink(self.path(ino))
+        except FileNotFoundError:
+            pass
+
+    def punch_holes(self, keys: list[tuple[int, int]]) -> None:
+        """Release the SSD space of evicted extents (runs in a thread: SSD syscalls only)."""
+        by_ino: dict[int, list[int]] = {}
+        for ino, ext in keys:
+            by_ino.setdefault(ino, []).append(ext)
+        for ino, exts in by_ino.items():
+            try:
+                fd = os.open(self.path(ino), os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                for ext in exts:
+                    punch_hole(fd, ext << EXT_SHIFT, EXT_SIZE)
+            finally:
+                os.close(fd)
+
+
+def pwrite_all(fd: int, data, off: int) -> None:
+    """Write all of `data` at `off` (a short write, as when a disk fills, is continued or
+    raises: never silently shortened)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, off)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+        off += n
+
+
+def punch_hole(fd: int, off: int, size: int) -> None:
+    libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                ctypes.c_longlong)
+    if libc.fallocate(fd, _FALLOC_PUNCH, off, size) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EOPNOTSUPP:           # without hole punching the space stays used
+            raise OSError(err, os.strerror(err))
+
+
+def fdatasync_paths(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)

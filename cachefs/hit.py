@@ -1,0 +1,59 @@
+"""The read hit: an open file handle and `read_hit`, a synchronous `pread` on the SSD file.
+
+Owns `OpenFile` (one FUSE file handle: its BACKING fds, its cache state and its sequential
+stream). `read_hit` is the hot path (STYLE.md §1): a bitmap test, one `os.pread` on the cache
+file's descriptor opened at `open()`, counters; no await, lock, SQL, logging or temporaries.
+Everything else about reads is in readpath.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import readahead
+from .extents import CachedFile
+from .policy import SequentialDetector
+from .stats import Stats
+
+
+class OpenFile:
+    """One open file handle: BACKING fd, the file's cache state and its sequential stream."""
+
+    __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext",
+                 "direct_fd", "ahead", "readable")
+
+    def __init__(self, fh: int, cfile: CachedFile, backing_fd: int, flags: int, stats: Stats):
+        self.fh = fh
+        self.ino = cfile.ino
+        self.cfile = cfile
+        self.backing_fd = backing_fd
+        self.flags = flags
+        self.seq = SequentialDetector()
+        self.stats = stats
+        self.last_miss_ext = -1     # consecutive misses in one extent count as one access
+        self.direct_fd = -1         # O_DIRECT twin of backing_fd for write-through (aio.py)
+        self.ahead: dict[int, readahead.Ahead] = {}     # offset -> read ahead of the stream
+        self.readable = True        # backing_fd can read (write-back fills of partial blocks)
+
+    def read_hit(self, off: int, size: int) -> bytes | None:
+        """Serve a read from the SSD if every block is cached: sync, no await, no SQL."""
+        cf = self.cfile
+        end = off + size
+        if end > cf.size:
+            end = cf.size
+        if off >= end or not cf.extents or not cf.covers(off, end):
+            return None
+        try:
+            data = os.pread(cf.cache_fd, end - off, off)
+        except OSError:                     # the SSD failed us: BACKING still has the data
+            self.stats.cache_errors += 1
+            return None
+        if len(data) < end - off:           # past the cache file's end: zeros, as in a hole
+            data += bytes(end - off - len(data))
+        self.seq.note(off, size)            # a stream stays a stream across cached parts
+        st = self.stats
+        st.read_ops += 1
+        st.hit_ops += 1
+        st.read_bytes += len(data)
+        st.hit_bytes += len(data)
+        return data

@@ -1,0 +1,90 @@
+"""BACKING's namespace and attributes for the FUSE operations: stats, directories, links,
+renames, xattrs, statfs, and the closing of released descriptors.
+
+Owns nothing but the calls: each is one `Backing` thread call (limiter, timeouts) on a path
+relative to BACKING's root descriptor (or an fd of an open handle). The engine façade hands
+it to `fs` (`Cache.namespace`), so `fs` talks to the engine, never to `Backing` itself.
+Engine state (coherence, unlink intents) stays with the callers.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import backing as bk
+from .backing import Backing
+
+
+class Namespace:
+    def __init__(self, backing: Backing):
+        self._backing = backing
+        self._root = backing.root_fd
+
+    async def lstat(self, path: bytes) -> os.stat_result:
+        return await self._backing.lstat(path)
+
+    async def fstat(self, fd: int) -> os.stat_result:
+        return await self._backing.fstat(fd)
+
+    async def setattr(self, path: bytes, fd: int | None, mode: int | None, uid: int,
+                      gid: int, times: tuple | None, touch: bool) -> os.stat_result:
+        return await self._backing.write_call(bk.setattr, self._root, path, fd, mode, uid,
+                                              gid, times, touch)
+
+    async def readlink(self, path: bytes) -> bytes:
+        return await self._backing.read_call("readlink", bk.readlink, self._root, path)
+
+    async def mknod(self, path: bytes, mode: int, rdev: int, uid: int, gid: int,
+                    parent: bytes) -> os.stat_result:
+        return await self._backing.write_call(bk.mknod, self._root, path, mode, rdev, uid,
+                                              gid, parent)
+
+    async def mkdir(self, path: bytes, mode: int, uid: int, gid: int, parent: bytes
+                    ) -> os.stat_result:
+        return await self._backing.write_call(bk.mkdir, self._root, path, mode, uid, gid,
+                                              parent)
+
+    async def symlink(self, target: bytes, path: bytes, uid: int, gid: int, parent: bytes
+                      ) -> os.stat_result:
+        return await self._backing.write_call(bk.symlink, self._root, target, path, uid,
+                                              gid, parent)
+
+    async def unlink(self, path: bytes) -> os.stat_result:
+        return await self._backing.write_call(bk.unlink, self._root, path)
+
+    async def rmdir(self, path: bytes) -> None:
+        await self._backing.write_call(bk.rmdir, self._root, path)
+
+    async def rename(self, old: bytes, new: bytes, flags: int):
+        """(the stat of what `new` named before, or None; the stat of the moved node)"""
+        return await self._backing.write_call(bk.rename, self._root, old, new, flags)
+
+    async def link(self, old: bytes, new: bytes) -> os.stat_result:
+        return await self._backing.write_call(bk.link, self._root, old, new)
+
+    async def scandir(self, path: bytes) -> list:
+        return await self._backing.read_call("readdir", bk.scandir, self._root, path)
+
+    async def fsync_path(self, path: bytes, datasync: bool) -> None:
+        await self._backing.write_call(bk.fsync_path, self._root, path, datasync)
+
+    async def statvfs(self) -> os.statvfs_result:
+        return await self._backing.read_call("statfs", bk.statvfs, self._root)
+
+    async def getxattr(self, path: bytes | None, fd: int | None, name: bytes) -> bytes:
+        return await self._backing.read_call("getxattr", bk.getxattr, self._root, path, fd,
+                                             name)
+
+    async def listxattr(self, path: bytes | None, fd: int | None) -> list[str]:
+        return await self._backing.read_call("listxattr", bk.listxattr, self._root, path, fd)
+
+    async def setxattr(self, path: bytes | None, fd: int | None, name: bytes, value: bytes
+                       ) -> None:
+        await self._backing.write_call(bk.setxattr, self._root, path, fd, name, value)
+
+    async def removexattr(self, path: bytes | None, fd: int | None, name: bytes) -> None:
+        await self._backing.write_call(bk.removexattr, self._root, path, fd, name)
+
+    async def close_all(self, fds: list[int]) -> list[OSError]:
+        """Close released descriptors in one thread call; returns the errors."""
+        return await self._backing.write_call(bk.close_all, fds)

@@ -1,0 +1,202 @@
+"""Checks and preparation before a mount: BACKING, the mountpoint and the cache directory
+(refusing every user mistake with a sentence), the cache directory made private and locked,
+the pool size, and the descriptor limit. Used by the daemon (`mount.run`) and by
+`cachefs mount` before it starts the daemon in the background.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import resource
+import shutil
+import stat
+
+from . import mounttable
+from .config import EXT_SIZE, Config, format_size
+from .errors import UserError
+
+log = logging.getLogger("cachefs")
+
+MIN_FREE_FRACTION = 0.10
+
+
+def _inside(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_paths(cfg: Config) -> None:
+    """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
+    cfg.validate()
+    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise UserError(f"{what} {path} is a dead FUSE mount (transport endpoint is "
+                                f"not connected); run fusermount3 -u {path} first.") from None
+        if not os.path.exists(path):
+            raise UserError(f"{what} {path} does not exist.")
+        if not os.path.isdir(path):
+            raise UserError(f"{what} {path} is not a directory.")
+    if os.path.ismount(cfg.mountpoint) and _is_fuse_mount(cfg.mountpoint):
+        raise UserError(f"MOUNTPOINT {cfg.mountpoint} is already mounted "
+                        "(unmount it first with cachefs umount).")
+    if _inside(cfg.backing, cfg.mountpoint) or _inside(cfg.mountpoint, cfg.backing):
+        raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
+                        "contain each other.")
+    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
+        if _same(cfg.cache_dir, path):
+            raise UserError(f"the cache directory {cfg.cache_dir} is {what} itself; it must "
+                            "be a directory of its own on the fast local disk.")
+        if _inside(cfg.cache_dir, path):
+            raise UserError(f"the cache directory {cfg.cache_dir} is inside {what} {path}; "
+                            "it must be on the fast local disk, outside both.")
+        if _inside(path, cfg.cache_dir):
+            raise UserError(f"{what} {path} is inside the cache directory {cfg.cache_dir}; "
+                            "the cache directory must be a directory of its own, apart "
+                            "from both.")
+    if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
+        raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
+    if not os.path.exists("/dev/fuse"):
+        raise UserError("/dev/fuse does not exist: load the fuse kernel module "
+                        "(modprobe fuse) or run where FUSE is available.")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise UserError("no permission to open /dev/fuse: run as root or add the user to "
+                        "the group that owns /dev/fuse.")
+    if shutil.which("fusermount3") is None and os.geteuid() != 0:
+        raise UserError("fusermount3 is not installed (apt-get install fuse3).")
+
+
+def _is_fuse_mount(path: str) -> bool:
+    real = os.path.realpath(path)
+    try:
+        return any(mnt == real for mnt, _ in mounttable.mounts())
+    except OSError:
+        return True
+
+
+def prepare_cache_dir(cfg: Config, data_files: bool = True) -> None:
+    """Create the cache directory (and data/) if needed and make it private (make_private;
+    `data_files=False` leaves the data files to the daemon's own call)."""
+    try:
+        os.makedirs(cfg.cache_dir, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(cfg.cache_dir, "data"), mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the cache directory {cfg.cache_dir}: "
+                        f"{exc.strerror}.") from None
+    if not os.access(cfg.cache_dir, os.W_OK):
+        raise UserError(f"the cache directory {cfg.cache_dir} is not writable.")
+    make_private(cfg.cache_dir, data_files)
+
+
+# Files of the cache directory besides data/ (SQLite gives -wal and -shm the mode of the
+# database file, so that one is created 0600 before SQLite opens it: see MetadataStore).
+PRIVATE_FILES = ("cachefs.db", "cachefs.db-wal", "cachefs.db-shm", "cachefs.log", "lock",
+                 "doubt.log", "doubt.log.prev", "control.sock", "reserve")
+
+
+def make_private(cache_dir: str, data_files: bool = True) -> None:
+    """The cache directory holds BACKING's paths, sizes and data: only the daemon's user
+    may read it. The directory, data/ and its subdirectories become 0700 (also when they
+    existed with wider modes) and every file of ours loses its group and other bits. Files
+    created later are private by their creation mode (the daemon runs with umask 0).
+
+    Raises UserError if a mode cannot be changed (for example, another user owns the
+    directory)."""
+    data = os.path.join(cache_dir, "data")
+    paths = [cache_dir, data, *(os.path.join(cache_dir, name) for name in PRIVATE_FILES)]
+    try:
+        with os.scandir(data) as it:
+            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        subdirs = []
+    paths += subdirs
+    if data_files:                      # a stat per data file: milliseconds per thousand
+        for sub in subdirs:
+            with os.scandir(sub) as it:
+                paths += [e.path for e in it
+                          if e.is_file(follow_symlinks=False) and e.stat().st_mode & 0o077]
+    for path in paths:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+                continue
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UserError(f"cannot make {path} private to its user (mode 0700 for "
+                            f"directories, 0600 for files): {exc.strerror}.") from None
+
+
+def lock_cache_dir(cache_dir: str) -> int:
+    """Take the one-instance-per-cache-dir lock; the fd stays open for the daemon's life."""
+    path = os.path.join(cache_dir, "lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"the cache directory {cache_dir} is in use by another cachefs "
+                        f"(pid {owner}); one instance may use a cache directory.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def cache_dir_usage(cache_dir: str) -> int:
+    """Bytes the cache directory itself occupies on its filesystem (data files, database)."""
+    used = 0
+    for dirpath, _, names in os.walk(cache_dir):
+        for name in names:
+            try:
+                used += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return used
+
+
+def cache_capacity(cfg: Config, cached_bytes: int) -> int:
+    """The pool size in bytes: --cache-size, or what keeps the cache filesystem 10 % free.
+
+    `cached_bytes` is what cachefs already holds there (cache_dir_usage): it counts as
+    free for the pool, so a warm cache keeps every extent across a remount instead of
+    shrinking by what it holds.
+    """
+    sv = os.statvfs(cfg.cache_dir)
+    total = sv.f_blocks * sv.f_frsize
+    avail = sv.f_bavail * sv.f_frsize
+    if cfg.cache_size is not None:
+        if cfg.cache_size > total:
+            raise UserError(f"--cache-size {format_size(cfg.cache_size)} is larger than the "
+                            f"cache filesystem ({format_size(total)}).")
+        return cfg.cache_size
+    size = avail + cached_bytes - int(total * MIN_FREE_FRACTION)
+    if size < 16 * EXT_SIZE:
+        raise UserError(f"the cache filesystem of {cfg.cache_dir} has less than "
+                        f"{MIN_FREE_FRACTION:.0%} free ({format_size(avail)} available); "
+                        "free space or give --cache-size.")
+    return size
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit of open descriptors to the hard limit (trio uses epoll, so no
+    select() limit applies): every open handle holds one or two BACKING descriptors.
+    Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.info("could not raise the open file limit from %d to %d: %s", soft, hard, exc)
+    return soft

@@ -1,0 +1,232 @@
+"""The read path past a hit: the read miss, sequential streams and read-ahead, the overlay
+of dirty blocks on BACKING's bytes, and promotion (admission, then the promoter task that
+installs extents off the request path).
+
+Owns `ReadPath`: the promotion queue (back-pressure when full), the read-ahead nursery and
+its in-flight count. Extent installs and evictions are the cache state's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+from . import readahead
+from .config import EXT_SIZE
+from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, runs
+from .hit import OpenFile
+from .state import CacheState
+
+
+def slice_ext(data: bytes, off: int, e: int) -> bytes:
+    """Extent `e`'s bytes out of `data` read at `off`."""
+    lo = (e << EXT_SHIFT) - off
+    return data[lo:lo + EXT_SIZE]
+
+
+class ReadPath:
+    def __init__(self, state: CacheState):
+        self._s = state
+        self.files = state.files
+        self.pool = state.pool
+        self.admission = state.admission
+        self.dirty = state.dirty
+        self.cachefiles = state.cachefiles
+        self.stats = state.stats
+        self.cfg = state.cfg
+        self.backing = state.backing
+        self._promote_send, self._promote_recv = trio.open_memory_channel(64)
+        self._nursery: trio.Nursery | None = None  # read-ahead tasks (run_readahead)
+        self._ahead_inflight = 0                   # read-ahead reads in worker threads
+        self._ahead_max = max(1, state.cfg.backing_threads * 3 // 4)   # threads for the rest
+
+    def filling(self) -> bool:
+        """True while the pool has free room (below --promote-all-below): then every miss is
+        cached on first touch, sequential streams included. An empty pool costs nothing to
+        fill, and one-touch data is the first to go (S3-FIFO's small queue)."""
+        return len(self.pool) < self._s.capacity_exts * self.cfg.promote_all_below
+
+    async def read_miss(self, of: OpenFile, off: int, size: int) -> bytes:
+        """Answer a read from BACKING; start promotion of extents that earned it."""
+        cf = of.cfile
+        st = self.stats
+        st.read_ops += 1
+        cutoff = self.cfg.sequential_cutoff
+        if cutoff and of.seq.note(off, size) > cutoff:
+            data = await self._stream_read(of, off, size)
+            if cf.dirty_exts:           # write-back: dirty blocks are newer than BACKING
+                data = self._overlay_dirty(cf, off, size, data)
+            st.bypass_ops += 1
+            st.bypass_bytes += len(data)
+            st.read_bytes += len(data)
+            return data
+        st.miss_ops += 1
+        promote = []
+        if self._s.capacity_exts and not self._s.ssd_full():
+            filling = self.filling()
+            for e in range((off >> EXT_SHIFT), ((off + size - 1) >> EXT_SHIFT) + 1):
+                if e in cf.fills:
+                    continue
+                if e in cf.extents:             # partly valid: complete it
+                    promote.append(e)
+                    continue
+                if filling:
+                    promote.append(e)
+                    continue
+                if e == of.last_miss_ext:
+                    continue
+                key = (cf.ino, e)
+                if self.admission.note_miss(key, self.pool.in_ghost(key)):
+                    promote.append(e)
+            of.last_miss_ext = (off + size - 1) >> EXT_SHIFT
+        if not promote:
+            data = await self._s.backing_read(of.backing_fd, size, off)
+        else:
+            start = min(off, promote[0] << EXT_SHIFT)
+            end = max(off + size, (promote[-1] + 1) << EXT_SHIFT)
+            for e in promote:
+                cf.fills[e] = False
+            try:
+                whole = await self._s.backing_read(of.backing_fd, end - start, start)
+            except BaseException:
+                for e in promote:
+                    cf.fills.pop(e, None)
+                raise
+            data = whole[off - start:off - start + size]
+            await self._promote(cf, [(e, whole[(e << EXT_SHIFT) - start:
+                                               (e << EXT_SHIFT) - start + EXT_SIZE])
+                                     for e in promote])
+        if cf.dirty_exts:
+            data = self._overlay_dirty(cf, off, size, data)
+        st.miss_bytes += len(data)
+        st.read_bytes += len(data)
+        return data
+
+    async def _promote(self, cf: CachedFile, chunks: list[tuple[int, bytes]]) -> None:
+        """Hand extents read from BACKING (their fills marked) to the promoter. A full queue
+        holds the reader a moment (back-pressure) rather than losing the promotion."""
+        for e, chunk in chunks:
+            try:
+                self._promote_send.send_nowait((cf, e, chunk))
+            except trio.WouldBlock:
+                self.stats.promotion_waits += 1
+                await self._promote_send.send((cf, e, chunk))
+
+    async def _stream_read(self, of: OpenFile, off: int, size: int) -> bytes:
+        """A read of a sequential stream: taken from what was read ahead if still valid;
+        starts reading the next requests ahead (cachefs/readahead.py). While the pool is
+        filling, the whole extents it covers are promoted too."""
+        cf = of.cfile
+        ahead = of.ahead.pop(off, None)
+        for o in [o for o in of.ahead if o < off]:    # the stream moved on without them
+            del of.ahead[o]
+        self._read_ahead(of, max(off + size, of.seq.next_off), size)   # past the furthest
+        if ahead is not None and ahead.size == size:
+            await ahead.done.wait()
+            if readahead.usable(ahead, cf):
+                exts = self._stream_promotions(cf, off, len(ahead.data))   # whole ones
+                await self._promote(cf, [(e, slice_ext(ahead.data, off, e)) for e in exts])
+                return ahead.data
+        exts = self._stream_promotions(cf, off, size)
+        try:
+            data = await self._s.backing_read(of.backing_fd, size, off)
+        except BaseException:
+            for e in exts:
+                cf.fills.pop(e, None)
+            raise
+        end = off + len(data)
+        eof = len(data) < size                  # then an extent cut by EOF is complete
+        for e in [e for e in exts if ((e + 1) << EXT_SHIFT) > end
+                  and not (eof and (e << EXT_SHIFT) < end)]:
+            cf.fills.pop(e, None)               # the read did not cover it
+            exts.remove(e)
+        await self._promote(cf, [(e, slice_ext(data, off, e)) for e in exts])
+        return data
+
+    def _stream_promotions(self, cf: CachedFile, off: int, size: int) -> list[int]:
+        """Extents wholly inside a stream's read that are worth caching while the pool is
+        filling; their fills are marked (a write meanwhile overtakes them)."""
+        if not self._s.capacity_exts or self._s.ssd_full() or not self.filling():
+            return []
+        first = (off + EXT_SIZE - 1) >> EXT_SHIFT
+        out = []
+        for e in range(first, (off + size) >> EXT_SHIFT):
+            if e not in cf.fills and e not in cf.extents:
+                cf.fills[e] = False
+                out.append(e)
+        return out
+
+    def _read_ahead(self, of: OpenFile, nxt: int, size: int) -> None:
+        cf = of.cfile
+        if self._nursery is None or cf.writes_inflight:
+            return
+        backing_size = cf.identity[1] if cf.identity else cf.size
+        tok = readahead.token(cf)
+        for i in range(readahead.depth(size)):
+            o = nxt + i * size
+            if o >= backing_size:
+                break
+            if o in of.ahead:
+                continue
+            if self._ahead_inflight >= self._ahead_max:
+                return
+            try:
+                fd = os.dup(of.backing_fd)
+            except OSError:                 # out of descriptors: no read-ahead, no error
+                return
+            ahead = of.ahead[o] = readahead.Ahead(o, size, tok)
+            self._ahead_inflight += 1
+            self._nursery.start_soon(self._fetch_ahead, ahead, fd)
+
+    async def _fetch_ahead(self, ahead: "readahead.Ahead", fd: int) -> None:
+        try:
+            ahead.data = await self.backing.read_call("read", readahead.pread_close, fd,
+                                                      ahead.size, ahead.off)
+            self.stats.backing_read_ops += 1
+            self.stats.backing_read_bytes += len(ahead.data)
+        except Exception:           # BACKING error or timeout: the request reads itself
+            ahead.data = None
+        finally:
+            self._ahead_inflight -= 1
+            ahead.done.set()
+
+    def _overlay_dirty(self, cf: CachedFile, off: int, size: int, data: bytes) -> bytes:
+        """Lay the dirty blocks (newer than BACKING) over data read from BACKING, and extend
+        it with zeros up to the logical size."""
+        end = min(off + size, cf.size)
+        if end <= off:
+            return data
+        buf = bytearray(data)
+        if len(buf) < end - off:
+            buf.extend(bytes(end - off - len(buf)))
+        fd = self.cachefiles.fd(cf)
+        for e in range(off >> EXT_SHIFT, ((end - 1) >> EXT_SHIFT) + 1):
+            x = cf.extents.get(e)
+            if x is None or not x.dirty:
+                continue
+            base = e << EXT_SHIFT
+            for b0, b1 in runs(x.dirty & block_mask(max(off, base) - base,
+                                                     min(end, base + EXT_SIZE) - base)):
+                s = max(off, base + (b0 << BLK_SHIFT))
+                t = min(end, base + (b1 << BLK_SHIFT))
+                buf[s - off:t - off] = os.pread(fd, t - s, s)
+        self.cachefiles.close_idle(cf)
+        return bytes(buf)
+
+    async def run_readahead(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The service whose nursery runs read-ahead reads (until the mount ends)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    async def run_promoter(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Install promoted extents in the SSD, off the request path."""
+        task_status.started()
+        async for cf, e, chunk in self._promote_recv:
+            self._s.install(cf, e, chunk)
+            await trio.sleep(0)

@@ -1,0 +1,362 @@
+"""The cache state: the files with cached data, the pool of extents and its capacity, and
+the changes that keep them consistent (load at mount, install, evict, drop, a full SSD).
+
+Owns `CacheState`: `files` (ino -> CachedFile), `pool` (eviction order), `admission`,
+`capacity_exts`/`target_exts`, the SSD-full hold, and the objects below it (the dirty
+index, the cache files, the persister, the store). Every change of which extents exist goes
+through here, in synchronous code (atomic under trio). Imports only lower modules; the read
+path, the write path, coherence and the engine façade use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import trio
+
+from . import backing as bk
+from .backing import Backing
+from .cachefiles import CacheFiles, pwrite_all
+from .config import BLK_SIZE, EXT_SIZE, Config, format_size
+from .dirty import DirtyIndex
+from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, block_mask, identity, runs
+from .persist import NO_SPACE, Persister
+from .policy import Admission, Clock, S3Fifo
+from .stats import Stats
+from .store import MetadataStore
+
+log = logging.getLogger("cachefs.cache")
+
+UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
+SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
+
+
+class CacheState:
+    def __init__(self, cfg: Config, store: MetadataStore, backing: Backing, stats: Stats,
+                 capacity_exts: int):
+        self.cfg = cfg
+        self.store = store
+        self.backing = backing
+        self.stats = stats
+        self.write_back = cfg.mode == "write-back"
+        self.capacity_exts = capacity_exts
+        self.target_exts = capacity_exts         # the pool size asked for (capacity may shrink)
+        self.files: dict[int, CachedFile] = {}
+        self.pool = (S3Fifo if cfg.eviction == "s3-fifo" else Clock)(capacity_exts)
+        self.admission = Admission(cfg.promote_after)
+        self.dirty = DirtyIndex()                # write-back: extents newer than BACKING
+        self.cachefiles = CacheFiles(cfg.cache_dir)
+        self.persister = Persister(store, self.cachefiles, stats, self, cfg.commit_interval_s)
+        self._ssd_full_until = 0.0
+        self._shrink_at_s = -1e9
+        self._ssd_warned_s = -1e9
+
+    def load(self, clean_stop: bool) -> None:
+        """Rebuild the in-memory map from the store (warm restart, or recovery).
+
+        After an unclean stop, every valid block of an extent in the doubt journal is
+        treated as dirty: it may hold data newer than BACKING.
+        """
+        files, extents = self.store.load()
+        for ino, (size, mtime_ns, ctime_ns, path, lsize) in files.items():
+            cf = self.files[ino] = CachedFile(ino, (ino, size, mtime_ns, ctime_ns))
+            cf.path = path
+            cf.size = lsize
+            cf.recovered = not clean_stop
+        doubt = set() if clean_stop else self.store.journal.read()
+        over = 0
+        for ino, ext, valid, dirty in extents:
+            cf = self.files.get(ino)
+            if (ino, ext) in doubt:
+                dirty |= valid
+            if cf is None or not valid:
+                self.store.queue_drop_extent(ino, ext)        # names no cached data
+                continue
+            if not dirty and len(self.pool) >= self.capacity_exts:
+                self.store.queue_drop_extent(ino, ext)
+                self.persister.evicted((ino, ext))
+                over += 1
+                continue
+            x = cf.extents[ext] = Extent(ino, ext, valid, 0)
+            self.pool.insert_main(x)
+            if dirty:
+                self.dirty.set(cf, x, dirty)
+        for key in self.store.meta_keys(UNLINKING):
+            self.store.queue_meta(key, None)
+            cf = self.files.get(int(key[len(UNLINKING):]))
+            if cf is not None and not self._survived_unlink(cf):
+                log.warning("BACKING inode %d (last seen as %s) was being unlinked at an "
+                            "unclean stop and is gone; discarding its %d cached extents",
+                            cf.ino, os.fsdecode(cf.path or b"?"), len(cf.extents))
+                self.drop_file(cf)
+                del self.files[cf.ino]
+        if over:
+            self.stats.drop_capacity += over
+            log.warning("dropped %d cached extents beyond the cache size of %s (reason: "
+                        "capacity)", over, format_size(self.capacity_exts * EXT_SIZE))
+        if doubt:
+            log.warning("unclean stop: %d extents in doubt are treated as dirty", len(doubt))
+
+    def _survived_unlink(self, cf: CachedFile) -> bool:
+        """After a crash during an unlink: does BACKING still have this very file (same
+        inode at its path, with the identity recorded right before the unlink)?"""
+        try:
+            st = bk.lstat(self.backing.root_fd, cf.path) if cf.path else None
+        except OSError:
+            return False
+        return st is not None and identity(st) == cf.identity
+
+    def dirty_bytes(self) -> int:
+        return self.dirty.bytes()
+
+    def oldest_dirty_age_s(self) -> float:
+        return self.dirty.oldest_age_s()
+
+    def used_bytes(self) -> int:
+        return len(self.pool) * EXT_SIZE
+
+    def cache_path(self, ino: int) -> str:
+        return self.cachefiles.path(ino)
+
+    def persist_identity(self, cf: CachedFile) -> None:
+        if cf.extents and cf.identity is not None:
+            _, size, mtime_ns, ctime_ns = cf.identity
+            self.store.queue_file(cf.ino, size, mtime_ns, ctime_ns, cf.path, cf.size)
+
+    def remove_extent(self, cf: CachedFile, x: Extent) -> None:
+        """Forget an extent, dirty blocks included (truncated, unlinked or unusable)."""
+        self.dirty.clear(cf, x, x.dirty)
+        self.pool.remove(x)
+        del cf.extents[x.ext]
+        self.store.queue_drop_extent(cf.ino, x.ext)
+
+    def drop_file(self, cf: CachedFile) -> None:
+        """Forget every cached extent of a file, dirty ones included."""
+        for x in list(cf.extents.values()):
+            self.dirty.clear(cf, x, x.dirty)
+            self.pool.remove(x)
+        cf.extents.clear()
+        cf.clobber(0, 1 << 62)
+        self.admission.forget_file(cf.ino)
+        self.store.queue_drop_file(cf.ino)
+        self.store.queue_meta(UNLINKING + str(cf.ino), None)
+        # Safe before the commit: the stored identity no longer matches BACKING.
+        try:
+            self.cachefiles.truncate(cf, 0)
+        except OSError:          # missing or unwritable: the map no longer claims it anyway
+            pass
+
+    def forget(self, ino: int) -> None:
+        cf = self.files.get(ino)
+        if cf is not None and cf.open_count == 0 and not cf.extents and not cf.fills:
+            del self.files[ino]
+
+    def discard(self, cf: CachedFile) -> None:
+        self.drop_file(cf)
+        self.cachefiles.close_idle(cf)
+        if cf.wb_fd >= 0 and not (cf.lock is not None and cf.lock.locked()):
+            os.close(cf.wb_fd)          # unlinked: no BACKING flush to wait for
+            cf.wb_fd = -1               # (while destaging, the destager closes it after)
+        del self.files[cf.ino]
+        self.cachefiles.remove(cf.ino)
+
+    def file_for(self, ino: int) -> CachedFile:
+        """The cache state of inode `ino`; a fresh one if the old file of that number was
+        deleted and its last handle is still to be released (the kernel reuses numbers, and
+        RELEASE may arrive after the next CREATE)."""
+        cf = self.files.get(ino)
+        if cf is not None and cf.doomed:
+            self.drop_file(cf)                  # its old handles now read BACKING's old inode
+            cf = None
+        if cf is None:
+            cf = self.files[ino] = CachedFile(ino)
+        return cf
+
+    async def backing_read(self, fd: int, size: int, off: int) -> bytes:
+        try:
+            data = await self.backing.pread(fd, size, off)
+        except OSError:
+            self.stats.backing_errors += 1
+            raise
+        self.stats.backing_read_ops += 1
+        self.stats.backing_read_bytes += len(data)
+        return data
+
+    def install(self, cf: CachedFile, e: int, chunk: bytes) -> bool:
+        """Write one extent read from BACKING into the cache, unless it was overtaken."""
+        clobbered = cf.fills.pop(e, True)
+        key = (cf.ino, e)
+        if (clobbered or not chunk or self.files.get(cf.ino) is not cf
+                or self.persister.punching(key) or self.ssd_full()):
+            self.stats.promotions_dropped += 1
+            return False
+        x = cf.extents.get(e)
+        if x is None and not self.make_room(1):
+            self.stats.promotions_dropped += 1
+            return False
+        valid = block_mask(0, len(chunk))
+        fill = valid & ~x.valid if x is not None else valid   # valid blocks are as new or newer
+        base = e << EXT_SHIFT
+        if len(chunk) & (BLK_SIZE - 1):
+            # BACKING ended inside this block: the rest of it is zeros, in the cache file too
+            # (it may still hold bytes of an evicted extent whose hole is not punched yet).
+            chunk = bytes(chunk) + bytes(BLK_SIZE - (len(chunk) & (BLK_SIZE - 1)))
+        try:
+            fd = self.cachefiles.fd(cf)
+            if fill == valid:
+                pwrite_all(fd, chunk, base)
+            else:
+                view = memoryview(chunk)
+                for b0, b1 in runs(fill):
+                    pwrite_all(fd, view[b0 << BLK_SHIFT:b1 << BLK_SHIFT],
+                               base + (b0 << BLK_SHIFT))
+        except OSError as exc:
+            self.stats.promotions_dropped += 1
+            self.ssd_failed(exc, "a promotion")   # only invalid blocks were written: the
+            self.cachefiles.close_idle(cf)               # map is unchanged and still true
+            return False
+        if x is None:
+            x = cf.extents[e] = Extent(cf.ino, e, valid)
+            self.pool.insert(x)
+            self.persister.reused(key)
+            if len(cf.extents) == 1:
+                self.persist_identity(cf)
+        else:
+            x.valid |= valid
+        self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
+        self.persister.written(cf.ino)
+        self.stats.promotions += 1
+        self.cachefiles.close_idle(cf)
+        return True
+
+    def make_room(self, n: int = 1) -> bool:
+        """Evict clean extents until `n` more fit; False if dirty data fills the pool."""
+        while len(self.pool) + n > self.capacity_exts:
+            x = self.pool.victim()
+            if x is None:
+                return False
+            self.evict(self.files[x.ino], x)
+            self.stats.evictions += 1
+        return True
+
+    def evict(self, cf: CachedFile, x: Extent) -> None:
+        """Forget a clean extent; its SSD space is released after the next durable commit."""
+        self.remove_extent(cf, x)
+        self.persister.evicted(x.key)
+        if not cf.extents:
+            self.store.queue_drop_file(cf.ino)
+
+    def file_lock(self, cf: CachedFile) -> trio.Lock:
+        """Serialises a file's destaging with its truncation."""
+        if cf.lock is None:
+            cf.lock = trio.Lock()
+        return cf.lock
+
+    def ssd_full(self) -> bool:
+        """True for a while after the cache filesystem ran out of space: no promotions,
+        write-back writes go around the cache, until evicted space is released."""
+        return self._ssd_full_until > time.monotonic()
+
+    def ssd_failed(self, exc: OSError, what: str) -> None:
+        """An SSD write failed. Out of space: shrink the pool below what is cached now and
+        evict clean data (the space is released after the next commit); the mount goes on
+        from BACKING meanwhile. Logged at most once a minute."""
+        self.stats.cache_errors += 1
+        full = exc.errno in NO_SPACE
+        if full:
+            self.out_of_space()
+        now = time.monotonic()
+        if now - self._ssd_warned_s >= 60:
+            self._ssd_warned_s = now
+            log.warning("the cache directory failed %s: %s; %s", what, exc.strerror or exc,
+                        "serving from BACKING and evicting clean data until space is "
+                        "released (the pool is now %s)" % format_size(self.capacity_exts
+                                                                      * EXT_SIZE)
+                        if full else "that data is served from BACKING")
+
+    def out_of_space(self) -> None:
+        """The cache filesystem is full: no promotions for a while, writes go around the
+        cache, and the pool shrinks (at most once per hold time)."""
+        self.stats.cache_full_events += 1
+        self._ssd_full_until = time.monotonic() + SSD_FULL_HOLD_S
+        if self._shrink_at_s + SSD_FULL_HOLD_S < time.monotonic():
+            self._shrink_at_s = time.monotonic()
+            self._shrink_pool()
+
+    def space_released(self) -> None:
+        """Evicted space was released (the reserve file is back): try the SSD again."""
+        self._ssd_full_until = 0.0
+
+    def _shrink_pool(self) -> None:
+        """The cache filesystem is full (another tenant, or holes not yet punched): make the
+        pool 1/16 smaller than what it holds now and evict clean extents down to it."""
+        held = len(self.pool)
+        target = max(16, held - max(16, held // 16))
+        if target >= self.capacity_exts:
+            target = max(16, self.capacity_exts - max(16, self.capacity_exts // 16))
+        self.capacity_exts = target
+        n = 0
+        while len(self.pool) > self.capacity_exts:
+            x = self.pool.victim()
+            if x is None:
+                break
+            self.evict(self.files[x.ino], x)
+            n += 1
+        self.stats.drop_capacity += n
+        log.warning("cache filesystem full: pool shrunk to %s, %d clean extents evicted "
+                    "(reason: capacity)", format_size(self.capacity_exts * EXT_SIZE), n)
+
+    def regrow_pool(self) -> None:
+        """Give the pool back the room it lost to a full filesystem, as space frees up."""
+        if self.capacity_exts >= self.target_exts or self.ssd_full():
+            return
+        try:
+            sv = os.statvfs(self.cfg.cache_dir)
+        except OSError:
+            return
+        spare = sv.f_bavail * sv.f_frsize - int(sv.f_blocks * sv.f_frsize * 0.10)
+        if spare > 0:
+            self.capacity_exts = min(self.target_exts,
+                                     self.capacity_exts + spare // EXT_SIZE)
+
+    def drop_clean(self) -> int:
+        """Evict every clean extent not protected (pinned or being prefetched; cachefs-ctl
+        drop); returns how many."""
+        n = 0
+        protected = self.pool.protected
+        for cf in list(self.files.values()):
+            if cf.ino in protected:
+                continue
+            cf.clobber(0, 1 << 62)
+            for x in list(cf.extents.values()):
+                if not x.dirty:
+                    self.evict(cf, x)
+                    n += 1
+        self.stats.drop_operator += n
+        log.info("dropped %d clean cached extents (reason: operator, cachefs-ctl drop)", n)
+        return n
+
+    def install_wanted(self, cf: CachedFile, e: int, chunk: bytes) -> bool:
+        """install() an extent an operator asked for: it joins the main queue at once, like
+        data known to be hot, rather than the probation queue of one-touch data."""
+        if not self.install(cf, e, chunk):
+            return False
+        x = cf.extents[e]
+        self.pool.remove(x)
+        self.pool.insert_main(x)
+        return True
+
+    def status(self) -> dict:
+        return {
+            "dirty_bytes": self.dirty_bytes(),
+            "dirty_extents": len(self.dirty),
+            "oldest_dirty_age_s": round(self.oldest_dirty_age_s(), 3),
+            "cache_size": self.capacity_exts * EXT_SIZE,
+            "cache_used": self.used_bytes(),
+            "extents_cached": len(self.pool),
+            "files_cached": sum(1 for cf in self.files.values() if cf.extents),
+            "metadata_pending": self.store.pending(),
+            "metadata_commits": self.store.commits,
+        }

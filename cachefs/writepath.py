@@ -1,0 +1,382 @@
+"""The write path: write-through (BACKING first, then the cached blocks), write-back (the
+cache file, blocks turn dirty; flow control first), write-around (write-back when the SSD
+cannot take it), truncate and fsync.
+
+Owns `WritePath`. Its bracketing of awaits: promotions in flight are overtaken by writes and
+truncates (`CachedFile.fills`), write-through updates the cache only if no other write or
+truncate touched the extent meanwhile (`CachedFile.wtrack`, `trunc_seq`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import backing as bk
+from .cachefiles import pwrite_all
+from .coherence import Coherence
+from .config import BLK_SIZE, EXT_SIZE
+from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, block_mask, covered_mask, runs
+from .hit import OpenFile
+from .persist import NO_SPACE
+from .state import CacheState
+from .writeback import Destager
+
+
+class WritePath:
+    def __init__(self, state: CacheState, coherence: Coherence, destager: Destager):
+        self._s = state
+        self._c = coherence
+        self._destager = destager
+        self.files = state.files
+        self.pool = state.pool
+        self.dirty = state.dirty
+        self.cachefiles = state.cachefiles
+        self.persister = state.persister
+        self.store = state.store
+        self.stats = state.stats
+        self.backing = state.backing
+        self.write_back = state.write_back
+
+    async def write(self, of: OpenFile, off: int, data: bytes) -> int:
+        if self.write_back:
+            return await self._write_back(of, off, data)
+        return await self._write_through(of, off, data)
+
+    async def _write_back(self, of: OpenFile, off: int, data: bytes) -> int:
+        """Write-back: the write lands in the cache file, its blocks turn dirty, done.
+
+        Checkpoints: flow control (above --dirty-high), waiting for room while the pool is
+        full of dirty data, and filling a partly written block that BACKING holds bytes of.
+        After the last checkpoint everything is synchronous, hence atomic. When the SSD is
+        out of space, or a partly written block cannot be read from BACKING (a write-only
+        handle BACKING would not reopen read-write), the write goes around the cache.
+        """
+        cf = of.cfile
+        end = off + len(data)
+        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        await self._destager.throttle(len(data))
+        while True:
+            if self._s.ssd_full():
+                return await self._write_around(of, off, data)
+            gaps = self._partial_gaps(cf, off, end)
+            if gaps:
+                if not of.readable:
+                    return await self._write_around(of, off, data)
+                if not await self._fill_for_write(of, cf, gaps) and not self._s.ssd_full():
+                    await self._destager.wait_progress()
+                continue
+            missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
+            if missing and not self._s.make_room(missing):
+                self.stats.throttled_writes += 1
+                await self._destager.wait_progress()      # the pool is full of dirty data
+                continue
+            if missing and self._partial_gaps(cf, off, end):
+                continue                # making room evicted a block this write fills
+            break
+        try:
+            self._write_dirty(cf, off, data)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            self._s.ssd_failed(exc, "a write-back write")
+            return await self._write_around(of, off, data)
+        if cf.wb_fd < 0:
+            cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
+        self.stats.write_ops += 1
+        self.stats.write_bytes += len(data)
+        if of.flags & (os.O_SYNC | os.O_DSYNC):
+            await self.persister.persist(durable=True)
+        return len(data)
+
+    def _write_dirty(self, cf: CachedFile, off: int, data: bytes) -> None:
+        """Put a write-back write into the cache file and mark its blocks dirty (sync).
+
+        Extents whose clean blocks are overwritten in place are journaled first (a crash
+        must not leave new bytes in blocks the database calls clean). On an SSD error the
+        map is unchanged; blocks partly written hold either version of clean bytes, and the
+        caller writes the same bytes to BACKING (_write_around), so both agree again.
+        """
+        end = off + len(data)
+        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        for e in range(first, last + 1):
+            x = cf.extents.get(e)
+            if x is None:
+                continue
+            base = e << EXT_SHIFT
+            m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
+            if x.valid & ~x.dirty & m:
+                self.persister.journal_dirtying(x.key)      # before clean data changes
+        fd = self.cachefiles.fd(cf)
+        head, tail = self._zero_pads(cf, off, end)
+        if head:
+            pwrite_all(fd, bytes(head), off - head)
+        if tail:
+            pwrite_all(fd, bytes(tail), end)
+        pwrite_all(fd, data, off)
+        for e in range(first, last + 1):
+            x = cf.extents.get(e)
+            if x is None:
+                x = cf.extents[e] = Extent(cf.ino, e)
+                self.pool.insert(x)
+                self.persister.reused(x.key)
+            base = e << EXT_SHIFT
+            m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
+            x.valid |= m
+            x.redirty |= m
+            self.dirty.set(cf, x, m)
+            self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
+        if end > cf.size:
+            cf.size = end
+        self._s.persist_identity(cf)
+        self.persister.written(cf.ino)
+
+    async def _write_around(self, of: OpenFile, off: int, data: bytes) -> int:
+        """A write-back write that cannot be cached goes to BACKING at once (write-through).
+
+        Blocks it touches that hold dirty data get the new bytes in the cache file too (they
+        are allocated, so this needs no new SSD space) and stay dirty: the destager later
+        writes the merged blocks. Clean blocks it touches turn invalid. The file's lock keeps
+        the destager out meanwhile: a destage pass that read a block before this write must
+        not land after it.
+        """
+        cf = of.cfile
+        end = off + len(data)
+        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        self.stats.writes_around += 1
+        async with self._s.file_lock(cf):
+            cf.clobber(first, last)
+            view = memoryview(data)
+            for e in range(first, last + 1):
+                x = cf.extents.get(e)
+                if x is None:
+                    continue
+                base = e << EXT_SHIFT
+                s, t = max(off, base), min(end, base + EXT_SIZE)
+                m = block_mask(s - base, t - base)
+                for b0, b1 in runs(x.dirty & m):
+                    bs = max(s, base + (b0 << BLK_SHIFT))
+                    bt = min(t, base + (b1 << BLK_SHIFT))
+                    pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
+                    x.redirty |= block_mask(bs - base, bt - base)
+                x.valid &= ~(m & ~x.dirty)
+                self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
+                self.persister.written(cf.ino)
+            cf.writes_inflight += 1
+            try:
+                written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
+            except OSError:
+                self.stats.backing_errors += 1
+                raise
+            finally:
+                cf.writes_inflight -= 1
+            cf.clobber(first, last)
+        self.stats.write_ops += 1
+        self.stats.write_bytes += written
+        self.stats.backing_write_ops += 1
+        self.stats.backing_write_bytes += written
+        self._c.own_change(cf, st, size_exact=False)
+        if end > cf.size:
+            cf.size = end
+            self._s.persist_identity(cf)
+        if of.flags & (os.O_SYNC | os.O_DSYNC):     # BACKING's fd has O_SYNC itself
+            await self.persister.persist(durable=True)
+        return written
+
+    def _zero_pads(self, cf: CachedFile, off: int, end: int) -> tuple[int, int]:
+        """Bytes to zero before and after a write in its partly written first and last
+        blocks when those are not valid (past BACKING's end, so their other bytes are zeros;
+        the cache file may still hold an evicted extent's old bytes there)."""
+        pads = []
+        for pos, before in ((off, True), (end, False)):
+            part = pos & (BLK_SIZE - 1)
+            if not part:
+                pads.append(0)
+                continue
+            blk_start = pos - part
+            x = cf.extents.get(blk_start >> EXT_SHIFT)
+            bit = 1 << ((blk_start & (EXT_SIZE - 1)) >> BLK_SHIFT)
+            if x is not None and x.valid & bit:
+                pads.append(0)
+            else:
+                pads.append(part if before else BLK_SIZE - part)
+        return pads[0], pads[1]             # (within one block: its two sides)
+
+    def _partial_gaps(self, cf: CachedFile, off: int, end: int) -> list[int]:
+        """Extents whose partly written first/last block holds BACKING bytes not cached."""
+        backing_size = cf.identity[1] if cf.identity else 0
+        gaps = []
+        for pos, partial in ((off, off & (BLK_SIZE - 1)), (end, end & (BLK_SIZE - 1))):
+            if not partial:
+                continue
+            blk_start = pos & ~(BLK_SIZE - 1)
+            if blk_start >= backing_size:
+                continue                        # past BACKING's end: zeros on both sides
+            x = cf.extents.get(blk_start >> EXT_SHIFT)
+            bit = 1 << ((blk_start & (EXT_SIZE - 1)) >> BLK_SHIFT)
+            if x is None or not x.valid & bit:
+                e = blk_start >> EXT_SHIFT
+                if e not in gaps:
+                    gaps.append(e)
+        return gaps
+
+    async def _fill_for_write(self, of: OpenFile, cf: CachedFile, exts: list[int]) -> bool:
+        """Read extents from BACKING into the cache so a sub-block write can be merged."""
+        self.stats.partial_block_fills += 1
+        for e in exts:
+            cf.fills.setdefault(e, False)
+        ok = True
+        for e in exts:
+            try:
+                chunk = await self._s.backing_read(of.backing_fd, EXT_SIZE, e << EXT_SHIFT)
+            except BaseException:
+                cf.fills.pop(e, None)
+                raise
+            if not self._s.install(cf, e, chunk):
+                ok = False
+        return ok
+
+    async def _write_through(self, of: OpenFile, off: int, data: bytes) -> int:
+        """Write-through: BACKING first, then the cached blocks the write touches.
+
+        While the BACKING write is in flight the touched blocks are invalid (readers go to
+        BACKING). Afterwards the bytes go into the cache only if no other write or truncate
+        touched those extents meanwhile (then the order of the two in BACKING is unknown and
+        the blocks stay invalid); fills that overlapped are dropped.
+        """
+        cf = of.cfile
+        end = off + len(data)
+        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        cf.clobber(first, last)
+        mine = []
+        for e in range(first, last + 1):
+            track = cf.wtrack.get(e)
+            if track is None:
+                track = cf.wtrack[e] = [0, 0]
+            track[0] += 1
+            track[1] += 1
+            mine.append((e, track[1], track[0] == 1))
+            x = cf.extents.get(e)
+            if x is not None:
+                base = e << EXT_SHIFT
+                x.valid &= ~block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
+        trunc_seq = cf.trunc_seq
+        cf.writes_inflight += 1
+        try:
+            written, st = await self.backing.pwrite_stat(of.backing_fd, of.direct_fd, data, off)
+        except OSError:
+            self.stats.backing_errors += 1
+            raise
+        finally:
+            cf.writes_inflight -= 1
+            alone = {}
+            for e, seq, first_in in mine:
+                track = cf.wtrack[e]
+                alone[e] = first_in and track[1] == seq and track[0] == 1
+                track[0] -= 1
+                if not track[0]:
+                    del cf.wtrack[e]
+            for e in range(first, last + 1):
+                x = cf.extents.get(e)
+                if x is not None:
+                    self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
+        cf.clobber(first, last)       # fills that may have read BACKING before our write
+        self.stats.write_ops += 1
+        self.stats.write_bytes += written
+        self.stats.backing_write_ops += 1
+        self.stats.backing_write_bytes += written
+        self._c.own_change(cf, st, size_exact=False)
+        if trunc_seq == cf.trunc_seq:
+            self._update_cached(cf, off, data, alone)
+        return written
+
+    def _update_cached(self, cf: CachedFile, off: int, data: bytes,
+                       alone: dict[int, bool]) -> None:
+        """Put a completed write's bytes into the cached extents it was alone on."""
+        end = off + len(data)
+        view = memoryview(data)
+        for e, ok in alone.items():
+            x = cf.extents.get(e)
+            if x is None:
+                continue
+            base = e << EXT_SHIFT
+            s, t = max(off, base), min(end, base + EXT_SIZE)
+            if not ok:
+                x.valid &= ~block_mask(s - base, t - base)
+                continue
+            try:
+                pwrite_all(self.cachefiles.fd(cf), view[s - off:t - off], s)
+            except OSError as exc:
+                self._s.ssd_failed(exc, "a write-through update")
+                self.stats.drop_cache_error += 1
+                self._s.remove_extent(cf, x)
+                self.persister.evicted(x.key)
+                continue
+            # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
+            x.valid |= covered_mask(s - base, t - base, cf.size - base)
+            self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+            self.persister.written(cf.ino)
+
+    async def truncate(self, ino: int, size: int, path: bytes, fd: int | None
+                       ) -> os.stat_result:
+        """Change a file's size in BACKING, dropping cached blocks past the new end."""
+        cf = self.files.get(ino)
+        if cf is None:
+            return await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+                                                 fd, size)
+        async with self._s.file_lock(cf):
+            return await self._truncate_locked(cf, size, path, fd)
+
+    def _trim(self, cf: CachedFile, size: int) -> None:
+        """Drop cached blocks past a new size (dirty ones too) and zero the cache file
+        there, as BACKING will be."""
+        cf.clobber(size >> EXT_SHIFT, 1 << 62)
+        cf.trunc_seq += 1
+        if self.write_back:       # keep the block holding the new end: it may be dirty
+            keep_below = (size + BLK_SIZE - 1) & ~(BLK_SIZE - 1)
+        else:                     # drop it: a racing read must not see early zeros
+            keep_below = size & ~(BLK_SIZE - 1)
+        for x in list(cf.extents.values()):
+            base = x.ext << EXT_SHIFT
+            if base >= keep_below:
+                self._s.remove_extent(cf, x)
+            elif base + EXT_SIZE > keep_below:
+                keep = block_mask(0, keep_below - base)
+                self.dirty.clear(cf, x, x.dirty & ~keep)
+                x.valid &= keep
+                self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+        try:
+            self.cachefiles.truncate(cf, size)
+        except FileNotFoundError:
+            pass
+
+    async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
+                               ) -> os.stat_result:
+        self._trim(cf, min(size, cf.size))
+        if self.write_back and size < cf.size:
+            # Shrinking: the new logical size and the dirty blocks gone past it are durable
+            # before BACKING shrinks, so that after a crash the file is never longer than
+            # BACKING's truncate left it with older dirty data past the end (the database
+            # may still call such data dirty even when memory no longer does).
+            cf.size = size
+            self._s.persist_identity(cf)
+            await self.persister.persist(durable=True)
+        cf.writes_inflight += 1
+        try:
+            st = await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+                                               fd, size)
+        finally:
+            cf.writes_inflight -= 1
+            # Fills that read the old contents during the call may have been installed.
+            self._trim(cf, min(size, cf.size))
+        self._c.own_change(cf, st, size_exact=True)
+        self._trim(cf, size)                   # the cache file as long as the file again
+        return st
+
+    async def fsync(self, of: OpenFile, datasync: bool) -> None:
+        """Write-back: data and the metadata naming it durable on the SSD. Write-through:
+        BACKING's fsync."""
+        if self.write_back:
+            await self.persister.persist(durable=True)
+        else:
+            await self.backing.write_call(os.fdatasync if datasync else os.fsync,
+                                          of.backing_fd)

@@ -1,0 +1,31 @@
+"""A user mistake that only the daemon can see (its database, its cache directory) exits
+`cachefs mount` with status 2 in the background mode too, as in the foreground (README)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.conftest import CACHEFS, force_unmount, is_mounted
+
+pytestmark = pytest.mark.fuse
+
+
+@pytest.mark.parametrize("fg", [False, True], ids=["background", "foreground"])
+def test_corrupt_database_exits_2(tmp_path, fg):
+    backing, cache, mnt = tmp_path / "b", tmp_path / "c", tmp_path / "m"
+    for d in (backing, cache, mnt):
+        d.mkdir()
+    (cache / "cachefs.db").write_bytes(b"this is not an SQLite database" * 100)
+    try:
+        res = subprocess.run([*CACHEFS, "mount", *(["-f"] if fg else []), "--cache-dir",
+                              str(cache), str(backing), str(mnt)],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2, (res.returncode, res.stderr)
+        assert "Traceback" not in res.stderr
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith("cachefs: the metadata database") and "corrupt" in last, last
+        assert not is_mounted(mnt)
+    finally:
+        force_unmount(mnt)
