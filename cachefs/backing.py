@@ -272,11 +272,11 @@ def truncate_stat(root: int, path: bytes, fd: int | None, size: int) -> os.stat_
     """Truncate through `fd` if given (the file may have no name any more), else by path."""
     if fd is not None:
         os.ftruncate(fd, size)
-        return os.fstat(fd)
+        return fresh_fstat(fd)
     fd = open_at(root, path, os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         os.ftruncate(fd, size)
-        return os.fstat(fd)
+        return fresh_fstat(fd)
     finally:
         os.close(fd)
 

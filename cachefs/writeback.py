@@ -33,6 +33,7 @@ from . import aio
 from . import backing as bk
 from .backing import Backing
 from .config import EXT_SIZE, Config, format_size
+from .statx import fresh_fstat
 from .dirty import DirtyIndex
 from .errors import CommandFailed
 from .extents import BLK_SHIFT, EXT_SHIFT, block_mask, runs
@@ -318,7 +319,7 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]]) -> os.sta
         if direct >= 0:
             os.close(direct)
     os.fdatasync(fd)
-    return os.fstat(fd)
+    return fresh_fstat(fd)             # BACKING's own attributes, not the kernel's cached ones
 
 
 def _open_by_ino(root: int, root_paths: tuple[bytes, ...], hint: bytes | None, ino: int
