@@ -14,15 +14,15 @@ import functools
 import logging
 import os
 import stat as stat_mod
-import time
 
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
 from . import control
+from .attrs import Attributes
 from .cache import Cache
-from .config import EXT_SIZE, Config
+from .config import Config
 from .handles import Handles
 from .hit import OpenFile
 from .inodes import ROOT_INODE, InodeTable
@@ -30,7 +30,6 @@ from .inodes import ROOT_INODE, InodeTable
 log = logging.getLogger("cachefs.fs")
 
 CONTROL_XATTR = os.fsencode(control.CONTROL_XATTR)
-BLKSIZE = 128 * 1024
 
 
 def to_fuse_error(exc: OSError) -> FUSEError:
@@ -63,48 +62,13 @@ class Operations(pyfuse3.Operations):
         self._inodes = inodes
         self._control_path = os.fsencode(control_path)
         self._dirs: dict[int, tuple[int, list]] = {}
-        self._written_ns: dict[int, int] = {}       # write-back: ino -> time of last write
+        self._attrs = Attributes(cfg, cache)
+        self._attr = self._attrs.of
         self._next_fh = 1
         self._fds = Handles(cache.namespace)         # open handles and their BACKING fds
         self._open = self._fds.open                 # fh -> OpenFile (the same dict: read())
 
     # -- helpers -------------------------------------------------------------------------
-
-    def _attr(self, st: os.stat_result, ino: int) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = ino
-        a.generation = 0
-        a.entry_timeout = self._cfg.entry_timeout_s
-        a.attr_timeout = self._cfg.attr_timeout_s
-        a.st_mode = st.st_mode
-        a.st_nlink = st.st_nlink
-        a.st_uid = st.st_uid
-        a.st_gid = st.st_gid
-        a.st_rdev = st.st_rdev
-        a.st_size = self._cache.logical_size(ino, st.st_size)
-        a.st_blksize = BLKSIZE
-        a.st_blocks = st.st_blocks
-        a.st_atime_ns = st.st_atime_ns
-        a.st_mtime_ns = st.st_mtime_ns
-        a.st_ctime_ns = st.st_ctime_ns
-        if self._cache.write_back:
-            self._dirty_view(a, st, ino)
-        return a
-
-    def _dirty_view(self, a: pyfuse3.EntryAttributes, st: os.stat_result, ino: int) -> None:
-        """Write-back: attributes of a file with dirty data as they will be once it reaches
-        BACKING. BACKING may hold none of the bytes yet, and a file that claims 0 blocks
-        is taken for all holes (GNU tar --sparse archived zeros); its mtime must move with
-        the writes, or make and rsync miss the change until the destage."""
-        cf = self._cache.files.get(ino)
-        if cf is None or not cf.dirty_exts:
-            self._written_ns.pop(ino, None)
-            return
-        a.st_blocks = max(st.st_blocks, -(-min(a.st_size, cf.dirty_exts * EXT_SIZE) // 512))
-        written = self._written_ns.get(ino)
-        if written is not None:
-            a.st_mtime_ns = max(st.st_mtime_ns, written)
-            a.st_ctime_ns = max(st.st_ctime_ns, written)
 
     def _fh(self) -> int:
         fh = self._next_fh
@@ -198,9 +162,9 @@ class Operations(pyfuse3.Operations):
         st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch)
         self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
         if fields.update_mtime:
-            self._written_ns.pop(inode, None)       # an explicit mtime wins over our writes
-        elif fields.update_size and self._cache.write_back:
-            self._written_ns[inode] = time.time_ns()
+            self._attrs.mtime_set(inode)
+        elif fields.update_size:
+            self._attrs.written(inode)
         return self._attr(st, inode)
 
     @_errno_mapped
@@ -340,8 +304,7 @@ class Operations(pyfuse3.Operations):
     async def write(self, fh, off, buf):
         of = self._open[fh]
         n = await self._cache.write(of, off, buf)
-        if self._cache.write_back:
-            self._written_ns[of.ino] = time.time_ns()
+        self._attrs.written(of.ino)
         return n
 
     async def flush(self, fh):
