@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import stat as stat_mod
+from time import perf_counter_ns
 
 import pyfuse3
 import trio
@@ -292,18 +293,24 @@ class Operations(pyfuse3.Operations):
 
     async def read(self, fh, off, size):
         of = self._open[fh]
+        t0 = perf_counter_ns()
         try:
             data = of.read_hit(off, size)
             if data is None:
                 data = await self._cache.read_miss(of, off, size)
+                of.miss_lat.add(perf_counter_ns() - t0)     # read_miss chose miss or bypass
+                return data
         except OSError as exc:
             raise to_fuse_error(exc) from None
+        of.stats.lat_hit.add(perf_counter_ns() - t0)
         return data
 
     @_errno_mapped
     async def write(self, fh, off, buf):
         of = self._open[fh]
+        t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
+        of.stats.lat_write.add(perf_counter_ns() - t0)
         self._attrs.written(of.ino)
         return n
 
@@ -316,7 +323,10 @@ class Operations(pyfuse3.Operations):
 
     @_errno_mapped
     async def fsync(self, fh, datasync):
-        await self._cache.fsync(self._open[fh], datasync)
+        of = self._open[fh]
+        t0 = perf_counter_ns()
+        await self._cache.fsync(of, datasync)
+        of.stats.lat_fsync.add(perf_counter_ns() - t0)
 
     # -- directories ---------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ class ReadPath:
             st.bypass_ops += 1
             st.bypass_bytes += len(data)
             st.read_bytes += len(data)
+            of.miss_lat = st.lat_bypass     # no await before fs.read times it
             return data
         st.miss_ops += 1
         promote = []
@@ -101,6 +102,7 @@ class ReadPath:
             data = self._overlay_dirty(cf, off, size, data)
         st.miss_bytes += len(data)
         st.read_bytes += len(data)
+        of.miss_lat = st.lat_miss
         return data
 
     async def _promote(self, cf: CachedFile, chunks: list[tuple[int, bytes]]) -> None:

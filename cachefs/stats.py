@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from .latency import TIERS, Histogram
+
 COUNTERS = (
     "read_ops", "read_bytes",              # every read request answered
     "hit_ops", "hit_bytes",                # answered from the SSD
@@ -46,6 +48,10 @@ class Stats:
         for name in COUNTERS:
             setattr(self, name, 0)
         self.started_s = time.monotonic()
+        # latency per tier (latency.py): attributes for the request paths, the dict for output
+        self.lat_hit, self.lat_miss, self.lat_bypass, self.lat_write, self.lat_fsync, \
+            self.lat_destage = hists = tuple(Histogram() for _ in TIERS)
+        self.latency = dict(zip(TIERS, hists))
         self.lifetime_base: dict[str, int] = {}     # totals of all earlier mounts
         self.lifetime_since: float | None = None    # wall time the totals started
 
@@ -71,6 +77,7 @@ class Stats:
         out["byte_hit_ratio"] = _ratio(self.hit_bytes, self.read_bytes)
         out["drops"] = {r: getattr(self, "drop_" + r) for r in DROP_REASONS}
         out["uptime_s"] = round(time.monotonic() - self.started_s, 1)
+        out["latency"] = {tier: h.snapshot() for tier, h in self.latency.items()}
         return out
 
 

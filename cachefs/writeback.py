@@ -222,9 +222,11 @@ class Destager:
             plan, runs = cache.destage_plan(cf, BATCH_BYTES, start_ext)
             nbytes = sum(n for _, n in runs)
             t0 = time.monotonic()
+            t0_ns = time.perf_counter_ns()
             try:
                 st = await self._backing.write_call(_destage_io, cache.cache_path(cf.ino),
                                                     cf.wb_fd, runs)
+                self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
             except BaseException as exc:
                 cache.destage_failed(cf)
                 if not isinstance(exc, OSError):

@@ -1,4 +1,4 @@
-"""`cachefs-ctl stats|top|flush|drop|prefetch|pin|unpin`: inspect and steer a running cachefs
+"""`cachefs-ctl stats|metrics|top|flush|drop|prefetch|pin|unpin`: inspect and steer a running cachefs
 mount."""
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
+    m = sub.add_parser("metrics", help="Prometheus exposition text (for node_exporter's "
+                       "textfile collector)")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT")
     t = sub.add_parser("top", help="a live view: rates, hit ratio, occupancy, dirty data, "
                        "flow control, drops and errors, redrawn every interval (plain lines "
                        "when not on a terminal)")
@@ -57,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "stats":
             return cmd_stats(args)
+        if args.command == "metrics":
+            from . import metrics
+            sys.stdout.write(metrics.exposition(client.request(args.mountpoint,
+                                                               "stats")["stats"]))
+            return 0
         if args.command == "flush":
             return cmd_flush(args)
         if args.command == "top":
@@ -100,6 +108,7 @@ def render(s: dict) -> str:
         ("  sequential bypass", f"{s['bypass_ops']} ops, {format_size(s['bypass_bytes'])}"),
         ("writes", f"{s['write_ops']} ops, {format_size(s['write_bytes'])}"),
         *_writeback_rows(s),
+        *_latency_rows(s.get("latency")),
         ("promotions", f"{s['promotions']} (+{s['promotions_dropped']} dropped, "
                        f"{s.get('promotion_waits', 0)} waited), evictions {s['evictions']}"),
         ("coherence", f"{s['stale_files']} files changed behind the cache"),
@@ -169,6 +178,34 @@ def _writeback_rows(s: dict) -> list[tuple[str, str]]:
                          f"{s['throttle_delay_s']:.1f} s in all"),
         ("conflicts", f"{s['conflicts']} (BACKING changed while dirty here)"),
     ]
+
+
+LATENCY_NAMES = {"ssd_hit": "SSD hit", "backing_miss": "BACKING miss",
+                 "bypass": "sequential bypass", "write": "write", "fsync": "fsync",
+                 "destage": "destage write"}
+
+
+def _latency_rows(lat: dict | None) -> list[tuple[str, str]]:
+    """p50/p90/p99/p99.9 per tier: upper bounds of log-linear buckets (at most 25 % over)."""
+    if not lat:
+        return []
+    rows = [("latency", "p50 / p90 / p99 / p99.9 (bucket upper bounds)")]
+    for tier, h in lat.items():
+        if not h["count"]:
+            continue
+        figs = " / ".join(_duration(h[q + "_ns"]) for q in ("p50", "p90", "p99", "p99.9"))
+        rows.append((f"  {LATENCY_NAMES.get(tier, tier)}", f"{figs}  ({h['count']} ops)"))
+    return rows
+
+
+def _duration(ns: int) -> str:
+    if ns < 10_000:
+        return f"{ns / 1e3:.2f} us"
+    if ns < 10_000_000:
+        return f"{ns / 1e3:.0f} us"
+    if ns < 10_000_000_000:
+        return f"{ns / 1e6:.0f} ms"
+    return f"{ns / 1e9:.0f} s"
 
 
 def _lifetime_rows(t: dict | None) -> list[tuple[str, str]]:
