@@ -1,5 +1,5 @@
-"""`cachefs-ctl stats|metrics|top|flush|drop|prefetch|pin|unpin`: inspect and steer a running cachefs
-mount."""
+"""`cachefs-ctl stats|metrics|top|flush|drop|prefetch|pin|unpin`: inspect and steer a running
+cachefs mount."""
 
 from __future__ import annotations
 
