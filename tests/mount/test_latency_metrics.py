@@ -69,6 +69,18 @@ def test_histograms_move_on_misses_hits_writes_and_fsync(make_mount, mode):
     assert "latency" in text and "SSD hit" in text and "BACKING miss" in text
 
 
+def test_bypass_histogram_moves_on_a_sequential_stream(make_mount):
+    m = make_mount("--mode", "write-through", "--sequential-cutoff", "256K")
+    data = os.urandom(4 * SIZE)
+    (m.backing / "f").write_bytes(data)
+    assert _read_direct(m.path("f"), len(data)) == data
+    s = m.stats()
+    bypass = s["latency"]["bypass"]
+    assert bypass["count"] == s["bypass_ops"] > 0
+    assert s["latency"]["backing_miss"]["count"] == s["miss_ops"] > 0
+    assert _bucket_total(bypass) == bypass["count"]
+
+
 def _families(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
