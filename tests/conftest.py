@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -129,13 +130,15 @@ def mode(request) -> str:
     return request.param
 
 
-@pytest.fixture
-def make_mount(tmp_path):
-    """Factory: make_mount(*args, backing=None) starts a cachefs mount; all are cleaned up."""
+@contextlib.contextmanager
+def mount_factory(root: Path):
+    """make(*args, backing=None, name="m") starts a cachefs mount under `root` (BACKING,
+    cache directory and mountpoint in root/name); every mount is stopped cleanly at the end
+    and, whatever happens, unmounted and its daemon killed."""
     mounts: list[Mount] = []
 
     def make(*args: str, backing: Path | None = None, name: str = "m") -> Mount:
-        base = tmp_path / name
+        base = root / name
         base.mkdir()
         b = backing or base / "backing"
         b.mkdir(exist_ok=True)
@@ -152,6 +155,13 @@ def make_mount(tmp_path):
     finally:
         for m in mounts:
             m.cleanup()
+
+
+@pytest.fixture
+def make_mount(tmp_path):
+    """Factory: make_mount(*args, backing=None) starts a cachefs mount; all are cleaned up."""
+    with mount_factory(tmp_path) as make:
+        yield make
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import CTL, Mount, ctl_flush, wait_until
+from ..conftest import CTL, ctl_flush, mount_factory, wait_until
 
 pytestmark = pytest.mark.fuse
 
@@ -59,23 +59,11 @@ def public_mount():
         pytest.skip(reason)
     base = Path(tempfile.mkdtemp(prefix="cachefs-access-"))
     os.chmod(base, 0o755)
-    mounts: list[Mount] = []
-
-    def make(*args: str) -> Mount:
-        sub = base / str(len(mounts))
-        for name in ("backing", "cache", "mnt"):
-            (sub / name).mkdir(parents=True)
-        m = Mount(sub / "backing", sub / "cache", sub / "mnt", list(args), sub / "daemon.log")
-        mounts.append(m)
-        return m.start()
-
+    counter = iter(range(1 << 30))
     try:
-        yield make
-        for m in mounts:
-            m.stop()
+        with mount_factory(base) as make:
+            yield lambda *args: make(*args, name=str(next(counter)))
     finally:
-        for m in mounts:
-            m.cleanup()
         shutil.rmtree(base, ignore_errors=True)
 
 
