@@ -108,7 +108,7 @@ def render(s: dict) -> str:
         ("  sequential bypass", f"{s['bypass_ops']} ops, {format_size(s['bypass_bytes'])}"),
         ("writes", f"{s['write_ops']} ops, {format_size(s['write_bytes'])}"),
         *_writeback_rows(s),
-        *_latency_rows(s.get("latency")),
+        *latency_rows(s.get("latency")),
         ("promotions", f"{s['promotions']} (+{s['promotions_dropped']} dropped, "
                        f"{s.get('promotion_waits', 0)} waited), evictions {s['evictions']}"),
         ("coherence", f"{s['stale_files']} files changed behind the cache"),
@@ -185,7 +185,7 @@ LATENCY_NAMES = {"ssd_hit": "SSD hit", "backing_miss": "BACKING miss",
                  "destage": "destage write"}
 
 
-def _latency_rows(lat: dict | None) -> list[tuple[str, str]]:
+def latency_rows(lat: dict | None) -> list[tuple[str, str]]:
     """p50/p90/p99/p99.9 per tier: upper bounds of log-linear buckets (at most 25 % over)."""
     if not lat:
         return []

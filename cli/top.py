@@ -17,6 +17,7 @@ from cachefs.config import format_size
 from cachefs.errors import UserError
 
 from . import client
+from .ctl import latency_rows
 
 DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error")
 ERRORS = (("BACKING", "backing_errors"), ("cache", "cache_errors"),
@@ -88,6 +89,7 @@ def rows(v: View) -> list[tuple[str, str, str]]:
                       + ("" if r is None else f"; promotions {r['promotions_s']:.0f}/s, "
                          f"evictions {r['evictions_s']:.0f}/s"), ""),
     ]
+    out += [(label, text, "") for label, text in latency_rows(s.get("latency"))]
     if s["mode"] == "write-back" or s["dirty_bytes"]:
         eta = s.get("eta_s")
         out += [
