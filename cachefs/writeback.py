@@ -132,6 +132,8 @@ class Destager:
         self.delay_s = min(5.0, cfg.max_dirty_age_s / 2)
         self.rate = 0.0                       # destage rate, bytes/s (moving average)
         self.force = 0                        # flush requests in progress
+        self._engaged_s: float | None = None  # when writers began to be slowed (for the log)
+        self._engaged_writes = 0
         self.last_error: str | None = None
         self.last_error_s = 0.0
         self.last_progress_s = time.monotonic()
@@ -147,11 +149,31 @@ class Destager:
             return
         over = self._cache.dirty_bytes() + nbytes - self.high
         if over <= 0:
+            if self._engaged_s is not None:
+                self._check_release()
             return
+        if self._engaged_s is None:
+            self._engaged_s = time.monotonic()
+            self._engaged_writes = self._stats.throttled_writes
+            log.info("flow control engaged: %s dirty, over the high mark of %s; writers are "
+                     "slowed to the destage rate (%s/s)", format_size(self._cache.dirty_bytes()),
+                     format_size(self.high), format_size(max(self.rate, MIN_RATE)))
         delay = min(over / max(self.rate, MIN_RATE), MAX_DELAY_S)
         self._stats.throttled_writes += 1
         self._stats.throttle_delay_ns += int(delay * 1e9)
         await trio.sleep(delay)
+
+    def _check_release(self) -> None:
+        """Log the end of a flow-control episode once dirty data is back under the low mark
+        (not merely the high one, around which a sustained burst keeps it: one episode is
+        one pair of log lines)."""
+        if self._cache.dirty_bytes() > self.low:
+            return
+        log.info("flow control released after %.1f s: %s dirty, under the low mark; %d "
+                 "writes were slowed meanwhile (destage rate %s/s)",
+                 time.monotonic() - self._engaged_s, format_size(self._cache.dirty_bytes()),
+                 self._stats.throttled_writes - self._engaged_writes, format_size(self.rate))
+        self._engaged_s = None
 
     def throttling(self) -> bool:
         return bool(self.high) and self._cache.dirty_bytes() > self.high
@@ -242,6 +264,8 @@ class Destager:
         if nbytes >= 64 << 10:
             sample = nbytes / elapsed
             self.rate = sample if not self.rate else 0.7 * self.rate + 0.3 * sample
+        if self._engaged_s is not None:
+            self._check_release()
         fd = cache.take_idle_wb_fd(cf)
         if fd >= 0:
             await self._backing.write_call(os.close, fd)

@@ -63,4 +63,6 @@ def test_write_burst_is_slowed_to_backing_speed_and_drains(make_mount, tmp_path)
         assert sf.stats()["write_bytes"] >= len(data)
         flush(m)
         m.stop()
+    log = m.logs[-1].read_text()                    # an operator sees the episode
+    assert "flow control engaged" in log and "flow control released" in log, log[-2000:]
     assert (src / "burst").read_bytes() == data
