@@ -267,3 +267,14 @@ def warm(m: Mount, name: str, size: int, passes: int = 2) -> None:
         read_blocks(m.path(name), offsets)
     want = (size + EXT_SIZE - 1) // EXT_SIZE
     wait_until(lambda: m.stats()["extents_cached"] >= want, 10, what="promotion")
+
+
+def close_quietly(handles: list) -> None:
+    """Close every handle's fd (objects with `.fd`), whatever errors, and empty the list:
+    after a failure or a kill -9 the descriptors of a dead mount must still go."""
+    for h in handles:
+        try:
+            os.close(h.fd)
+        except OSError:
+            pass
+    handles.clear()

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ctl_drop, ctl_flush, env_long, env_seed, tree_view, wait_until
+from tests.conftest import (close_quietly, ctl_drop, ctl_flush, env_long, env_seed, tree_view,
+                            wait_until)
 
 BLK = 4096
 NAMES = [f"f{i}" for i in range(5)]
@@ -167,12 +168,7 @@ class Runner:
         return h
 
     def close_all(self) -> None:
-        for h in self.handles:
-            try:
-                os.close(h.fd)
-            except OSError:
-                pass
-        self.handles.clear()
+        close_quietly(self.handles)
 
     def setup(self, nfiles: int) -> None:
         """Fresh files with random contents, fsynced: the durable starting point."""

@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-from tests.conftest import env_seed, flush_all
+from tests.conftest import close_quietly, env_seed, flush_all
 
 NAMES = [f"file{i}" for i in range(6)]
 MAX_SIZE = 600 * 1024
@@ -123,12 +123,7 @@ class Model:
 
     def abandon(self) -> None:
         """After a failure: close every handle, whatever errors (the mount must unmount)."""
-        for h in self.handles:
-            try:
-                os.close(h.fd)
-            except OSError:
-                pass
-        self.handles.clear()
+        close_quietly(self.handles)
 
     def step(self) -> None:
         rng = self.rng
