@@ -75,6 +75,7 @@ class Config:
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted
     max_pinned_pct: float = 50.0          # share of the pool `cachefs-ctl pin` may hold
     stats_group: str | None = None        # group that may read stats (cachefs-ctl stats, top)
+    metrics: tuple[str, int] | None = None    # (host, port) of the Prometheus endpoint
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -122,6 +123,30 @@ def parse_share(text: str, what: str) -> float:
         raise UserError(f"{what} {text!r} is not a share of the pool (use a percentage, "
                         "e.g. 50%).")
     return float(m.group(1))
+
+
+METRICS_HOST = "127.0.0.1"               # a bare --metrics PORT listens on loopback only
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    """Parse PORT (on METRICS_HOST), HOST:PORT or [V6]:PORT into (host, port); the host is
+    resolved only when bound (metrics.bind)."""
+    text = text.strip()
+    m = re.fullmatch(r"\[([^\[\]\s]+)\]:(\w+)|([^\[\]:\s]+):(\w+)|(\w+)", text)
+    if m is None:
+        raise UserError(f"{what} {text!r} is not an address: give PORT, HOST:PORT or "
+                        "[IPv6]:PORT, e.g. 9533 or 127.0.0.1:9533.")
+    host = m.group(1) or m.group(3) or METRICS_HOST
+    port = m.group(2) or m.group(4) or m.group(5)
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UserError(f"{what} {text!r}: the port must be a number from 1 to 65535.")
+    return host, int(port)
+
+
+def format_address(addr: tuple[str, int]) -> str:
+    """(host, port) as an operator writes it: HOST:PORT, [V6]:PORT for IPv6."""
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def dirty_marks(cfg: Config, capacity: int) -> tuple[int, int]:

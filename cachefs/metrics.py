@@ -1,19 +1,47 @@
-"""`cachefs-ctl metrics`: the Prometheus exposition text of one mount, built client-side from
-the stats JSON with prometheus_client (a custom Collector on its own CollectorRegistry).
+"""Prometheus: the exposition text of a stats snapshot, and the daemon's HTTP endpoint.
 
-Every sample carries `mount` and `backing` labels, so several mounts on one host written to
-node_exporter's textfile directory stay distinct. The latency histogram's `le` bounds are the
-powers of two from 2**10 ns (about 1 us) to 2**36 ns (about 69 s): the daemon's log-linear
-buckets (cachefs/latency.py) split exactly at powers of two, so these cumulative counts are
-exact.
+One text for both routes: `cachefs-ctl metrics` builds it from the stats JSON of the control
+socket, and the endpoint of `--metrics ADDR` from the daemon's own snapshot, both with
+`exposition()` (prometheus_client: a custom Collector on its own CollectorRegistry).
+
+Every sample carries `mount` and `backing` labels, so several mounts on one host (scraped or
+written to node_exporter's textfile directory) stay distinct. The latency histogram's `le`
+bounds are the powers of two from 2**10 ns (about 1 us) to 2**36 ns (about 69 s): the
+daemon's log-linear buckets (cachefs/latency.py) split exactly at powers of two, so these
+cumulative counts are exact.
+
+The endpoint is a minimal HTTP/1.x responder on a socket bound at start-up (a port in use is
+a user mistake found before the mount is ready): `GET /metrics` (or `/`) answers the text,
+other paths 404, other methods 405; one request per connection, then close. A client gets
+HEAD_TIMEOUT_S for its whole exchange and at most MAX_CLIENTS connections are served at once
+(others are closed at once), so a slow, silent or flooding client holds nothing. It never
+touches the engine beyond the snapshot, built on the event loop like `cachefs-ctl stats`.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import socket
+from typing import Callable
+
+import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
+from .config import format_address
+from .errors import UserError
+
+log = logging.getLogger("cachefs.metrics")
+
+# generate_latest writes the text format 0.0.4 (our names are all legacy-valid); newer
+# prometheus_client's CONTENT_TYPE_LATEST announces 1.0.0, which older servers do not know.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+HEAD_TIMEOUT_S = 10.0        # a client's whole exchange: request head in, answer out
+MAX_HEAD = 8192              # bytes of request line and headers
+MAX_CLIENTS = 16             # connections served at once; more are closed unanswered
+LINGER_S = 1.0               # after the answer, reading what the client still sends
 LE_NS = tuple(1 << k for k in range(10, 37))
 TIER_COUNTERS = (("ssd", "hit"), ("backing", "miss"), ("bypass", "bypass"))
 COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
@@ -102,7 +130,109 @@ def _buckets(h: dict) -> list[tuple[str, int]]:
     return out
 
 
-def exposition(stats: dict) -> str:
+def exposition(stats: dict) -> bytes:
+    """The exposition text (UTF-8) of one stats snapshot: `Daemon.snapshot()` or its JSON."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats))
-    return generate_latest(registry).decode()
+    return generate_latest(registry)
+
+
+def bind(addr: tuple[str, int]) -> socket.socket:
+    """A listening TCP socket on `addr` (host, port), bound now so that a port in use stops
+    the mount before it is ready. Raises UserError (one sentence) when it cannot bind."""
+    host, port = addr
+    what = f"--metrics {format_address(addr)}"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"{what}: cannot resolve {host!r} ({exc.strerror}).") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a remount in TIME_WAIT
+        sock.bind(sockaddr)
+        sock.listen(MAX_CLIENTS)
+    except OSError as exc:
+        sock.close()
+        why = {errno.EADDRINUSE: "the port is in use (another mount or program listens "
+                                 "there; choose another port)",
+               errno.EACCES: "permission denied (ports below 1024 need root)",
+               errno.EADDRNOTAVAIL: f"{host} is not an address of this host"}
+        raise UserError(f"{what}: cannot listen: "
+                        f"{why.get(exc.errno, exc.strerror)}.") from None
+    return sock
+
+
+class MetricsServer:
+    """The HTTP endpoint of one mount: the exposition of `snapshot()` at /metrics."""
+
+    def __init__(self, sock: socket.socket, snapshot: Callable[[], dict],
+                 timeout_s: float = HEAD_TIMEOUT_S, max_clients: int = MAX_CLIENTS):
+        self._sock = sock
+        self._snapshot = snapshot
+        self._timeout_s = timeout_s
+        self._max_clients = max_clients
+        self._clients = 0
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{format_address((host, port))}/metrics"
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; the listening socket is closed on the way out."""
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
+        log.info("metrics on %s", self.url)
+        task_status.started()
+        await trio.serve_listeners(self.serve_client, [listener])
+
+    async def serve_client(self, stream: trio.abc.HalfCloseableStream) -> None:
+        """One connection: read the request head, answer, close (all within timeout_s)."""
+        async with stream:
+            if self._clients >= self._max_clients:
+                return
+            self._clients += 1
+            try:
+                with trio.move_on_after(self._timeout_s):
+                    await self._exchange(stream)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass                             # the client went away
+            finally:
+                self._clients -= 1
+
+    async def _exchange(self, stream: trio.abc.HalfCloseableStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head and b"\n\n" not in head:
+            if len(head) > MAX_HEAD:
+                await _send(stream, 431, "Request Header Fields Too Large")
+                return
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return                           # closed before a whole request
+            head += chunk
+        await self._answer(stream, head.split(b"\n", 1)[0].strip())
+        # Half-close, then read until the client closes: closing with unread bytes (a body
+        # we did not want) would reset the connection and could lose our answer.
+        await stream.send_eof()
+        with trio.move_on_after(LINGER_S):
+            while await stream.receive_some(4096):
+                pass
+
+    async def _answer(self, stream: trio.abc.HalfCloseableStream, line: bytes) -> None:
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            await _send(stream, 400, "Bad Request")
+        elif parts[0] not in (b"GET", b"HEAD"):
+            await _send(stream, 405, "Method Not Allowed", extra=b"Allow: GET, HEAD\r\n")
+        elif parts[1].split(b"?", 1)[0] not in (b"/metrics", b"/"):
+            await _send(stream, 404, "Not Found")
+        else:
+            body = exposition(self._snapshot())
+            await _send(stream, 200, "OK", body, CONTENT_TYPE, head_only=parts[0] == b"HEAD")
+
+
+async def _send(stream: trio.abc.SendStream, status: int, reason: str, body: bytes = b"",
+                ctype: str = "text/plain; charset=utf-8", extra: bytes = b"",
+                head_only: bool = False) -> None:
+    if not body and status != 200:
+        body = f"{status} {reason}\n".encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n").encode()
+    await stream.send_all(head + extra + b"\r\n" + (b"" if head_only else body))

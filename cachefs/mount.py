@@ -30,6 +30,7 @@ from .control import ControlServer, socket_path
 from .errors import CommandFailed, UserError
 from .fs import Operations
 from .inodes import InodeTable
+from .metrics import MetricsServer, bind
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
                         prepare_cache_dir, raise_fd_limit)
 from .stats import Stats
@@ -108,8 +109,11 @@ class Daemon:
         self.cache: Cache | None = None
         self.ops: Operations | None = None
         self.warm: Warm | None = None
+        self.metrics: MetricsServer | None = None
 
     def open(self) -> None:
+        if self.cfg.metrics is not None:      # a port in use is found before the slow part
+            self.metrics = MetricsServer(bind(self.cfg.metrics), self.snapshot)
         root_st = os.fstat(self.backing.root_fd)
         self.clean_start = self.store.open(os.path.realpath(self.cfg.backing), root_st)
         if not self.clean_start:
@@ -202,6 +206,8 @@ class Daemon:
                 await nursery.start(self.cache.destager.run)
                 await nursery.start(self.warm.run)
                 await nursery.start(self._run_lifetime_saver)
+                if self.metrics is not None:
+                    await nursery.start(self.metrics.run)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
                 real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting

@@ -61,10 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "stats":
             return cmd_stats(args)
         if args.command == "metrics":
-            from . import metrics
-            sys.stdout.write(metrics.exposition(client.request(args.mountpoint,
-                                                               "stats")["stats"]))
-            return 0
+            return cmd_metrics(args)
         if args.command == "flush":
             return cmd_flush(args)
         if args.command == "top":
@@ -78,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """The text the mount's --metrics endpoint serves, from the same snapshot (as JSON)."""
+    from cachefs.metrics import exposition     # prometheus_client: only for this command
+    stats = client.request(args.mountpoint, "stats")["stats"]
+    sys.stdout.buffer.write(exposition(stats))
+    return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ import argparse
 import math
 import os
 
-from cachefs.config import Config, default_cache_dir, parse_share, parse_size
+from cachefs.config import (Config, default_cache_dir, format_address, parse_address,
+                            parse_share, parse_size)
 from cachefs.errors import UserError
 
 # -o names understood by cachefs itself (fstab form); everything else goes to FUSE.
@@ -17,6 +18,7 @@ _O_NAMES = {
     "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
     "eviction": "eviction", "promote_all_below": "promote_all_below",
     "eviction": "eviction", "max_pinned": "max_pinned", "stats_group": "stats_group",
+    "metrics": "metrics",
 }
 # mount(8) and systemd options that mean nothing to FUSE.
 _IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
@@ -51,6 +53,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-group", metavar="GROUP", help="members of GROUP may read "
                    "statistics (cachefs-ctl stats, top) without root; changes stay for root "
                    "and the mount's owner")
+    p.add_argument("--metrics", metavar="ADDR", help="serve Prometheus metrics over HTTP at "
+                   "ADDR: PORT (on 127.0.0.1), HOST:PORT or [IPv6]:PORT; no authentication, "
+                   "so keep it on loopback unless the network is trusted (default: off)")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
                    help="comma-separated cachefs (name=value) or FUSE mount options")
@@ -140,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         kw["max_pinned_pct"] = parse_share(values["max_pinned"], "--max-pinned")
     if "stats_group" in values:
         kw["stats_group"] = values["stats_group"].strip()
+    if "metrics" in values:
+        kw["metrics"] = parse_address(values["metrics"], "--metrics")
     if "attr_timeout" in values:
         t = _number(values["attr_timeout"], "--attr-timeout")
         kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
@@ -168,6 +175,8 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv += ["--dirty-low", str(cfg.dirty_low)]
     if cfg.stats_group is not None:
         argv += ["--stats-group", cfg.stats_group]
+    if cfg.metrics is not None:
+        argv += ["--metrics", format_address(cfg.metrics)]
     if cfg.fuse_options:
         argv += ["-o", ",".join(cfg.fuse_options)]
     if cfg.debug:
