@@ -21,6 +21,7 @@ touches the engine beyond the snapshot, built on the event loop like `cachefs-ct
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 from typing import Callable
@@ -40,7 +41,7 @@ log = logging.getLogger("cachefs.metrics")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HEAD_TIMEOUT_S = 10.0        # a client's whole exchange: request head in, answer out
 MAX_HEAD = 8192              # bytes of request line and headers
-MAX_CLIENTS = 16             # connections served at once; more are closed unanswered
+MAX_CLIENTS = 64             # connections served at once; more are closed unanswered
 LINGER_S = 1.0               # after the answer, reading what the client still sends
 LE_NS = tuple(1 << k for k in range(10, 37))
 TIER_COUNTERS = (("ssd", "hit"), ("backing", "miss"), ("bypass", "bypass"))
@@ -175,11 +176,13 @@ class MetricsServer:
         self._clients = 0
         host, port = sock.getsockname()[:2]
         self.url = f"http://{format_address((host, port))}/metrics"
+        self.loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; the listening socket is closed on the way out."""
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
-        log.info("metrics on %s", self.url)
+        log.info("metrics on %s%s", self.url, "" if self.loopback else " (not loopback, and "
+                 "without authentication: whoever reaches it reads this mount's activity)")
         task_status.started()
         await trio.serve_listeners(self.serve_client, [listener])
 
@@ -199,17 +202,17 @@ class MetricsServer:
 
     async def _exchange(self, stream: trio.abc.HalfCloseableStream) -> None:
         head = b""
-        while b"\r\n\r\n" not in head and b"\n\n" not in head:
-            if len(head) > MAX_HEAD:
-                await _send(stream, 431, "Request Header Fields Too Large")
-                return
+        while b"\r\n\r\n" not in head and b"\n\n" not in head and len(head) <= MAX_HEAD:
             chunk = await stream.receive_some(4096)
             if not chunk:
                 return                           # closed before a whole request
             head += chunk
-        await self._answer(stream, head.split(b"\n", 1)[0].strip())
+        if len(head) > MAX_HEAD:
+            await _send(stream, 431, "Request Header Fields Too Large")
+        else:
+            await self._answer(stream, head.split(b"\n", 1)[0].strip())
         # Half-close, then read until the client closes: closing with unread bytes (a body
-        # we did not want) would reset the connection and could lose our answer.
+        # we did not want, a long head) would reset the connection and could lose the answer.
         await stream.send_eof()
         with trio.move_on_after(LINGER_S):
             while await stream.receive_some(4096):
