@@ -29,6 +29,7 @@ from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer, socket_path
 from .errors import CommandFailed, UserError
 from .fs import Operations
+from .health import BackingHealth
 from .inodes import InodeTable
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
                         prepare_cache_dir, raise_fd_limit)
@@ -100,7 +101,7 @@ class Daemon:
         self.cfg = cfg
         self.stats = Stats()
         self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s,
-                               open_root(cfg.backing))
+                               open_root(cfg.backing), BackingHealth(self.stats))
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = socket_path(cfg.cache_dir, cfg.stats_group)
         self.clean_start = True
@@ -149,6 +150,7 @@ class Daemon:
             "destage_rate": round(d.rate), "eta_s": None if eta is None else round(eta, 1),
             "throttle_delay_s": round(self.stats.throttle_delay_ns / 1e9, 3),
             "last_destage_error": d.last_error,
+            "backing_health": self.backing.health.snapshot(),
             "lifetime": self.stats.lifetime_snapshot(),
         }
 
@@ -233,6 +235,7 @@ class Daemon:
                     log.error("the last metadata commit failed (%s); the next mount "
                               "recovers as after a crash", exc)
             self._save_lifetime()
+            self.backing.health.flush()         # the counts of lines held back
             summary = oplog.unmount_line(self.snapshot())
             try:
                 self.store.close(clean=clean)
