@@ -52,7 +52,7 @@ class Backing:
                                                        **{_ABANDON_KW: True})
                 health.ok_s = _now()
                 if health.failing_since_s is not None:
-                    health.succeeded(period)
+                    health.succeeded(what, period)
                 return result
         except OSError as exc:
             if exc.errno in COUNTED:
@@ -73,7 +73,7 @@ class Backing:
             raise
         health.ok_s = _now()
         if health.failing_since_s is not None:
-            health.succeeded(period)
+            health.succeeded(op_name(fn), period)
         return result
 
     async def close_all(self, fds: list[int]) -> list[OSError]:

@@ -20,9 +20,14 @@ writes and destaging fail until an operator makes room): ENOSPC and EDQUOT. A ca
 exceeds --backing-timeout (`BackingTimeout`, the caller gets EIO) counts as a *timeout*.
 Unknown errnos are not counted: a new normal answer must never make the state flap.
 
-State. The first counted failure starts a failing period (a WARNING at once); a call that
-succeeds and was started after the period began ends it (an INFO "recovered after N errors
-over X s"); calls started earlier prove nothing about BACKING now. Log pacing: one line per
+State. The first counted failure starts a failing period (a WARNING at once). The period
+lasts while some operation (read, write, stat, open, destage write...) is failing. An
+operation stops failing when a call of the same operation succeeds that was started after
+it began failing (calls started earlier prove nothing about BACKING now), or when it had no
+error for QUIET_S while other calls succeeded (it may never be retried). So stats that work
+while every data read fails with EIO (a dying disk, or slowfs eio=1) do not call BACKING
+well. When no operation is failing, the period ends: an INFO "recovered after N errors over
+X s". Log pacing: one line per
 (operation, errno) per minute with the count of lines held back; "recovered" at most once a
 minute; the first error of a period is always logged if the log's last word was "recovered",
 so the log never ends on "recovered" while BACKING fails. `flush()` (unmount) reports what
@@ -56,6 +61,7 @@ UNWELL = _errnos("EIO", "ETIMEDOUT", "ESTALE", "ENOTCONN", "EHOSTDOWN", "EHOSTUN
 FULL = _errnos("ENOSPC", "EDQUOT")
 COUNTED = UNWELL | FULL                 # Backing tests membership before calling failed()
 TIMEOUT = "timeout"                     # the errno name of a timed-out call
+QUIET_S = 30.0                          # an operation with no error for this long is well
 
 
 def errno_name(err: int | None) -> str:
@@ -77,7 +83,8 @@ class BackingHealth:
         self._wall = wall
         self._log = logger
         self._limited = RateLimitedLog(logger, interval_s, clock)
-        self.period = 0                     # failing periods so far (a call notes it first)
+        self.period = 0                     # operations that began failing (a call notes it)
+        self._failing: dict[str, list] = {}     # op -> [self.period when it began, last error]
         self.failing_since_s: float | None = None       # monotonic start of this period
         self.since_wall = wall()            # wall time the current state began
         self.period_errors = 0              # counted failures of this period
@@ -113,11 +120,19 @@ class BackingHealth:
                 "caller gets EIO)", op, target, timeout_s, force=self._said_ok):
             self._said_ok = False
 
-    def succeeded(self, period: int) -> None:
-        """A call succeeded while failing; it ends the period if it started within it."""
-        if period != self.period or self.failing_since_s is None:
-            return
+    def succeeded(self, op: str, period: int) -> None:
+        """A call of `op` succeeded while failing (`period`: self.period when it started);
+        the failing period ends once no operation is failing any more."""
+        failing = self._failing
         now = self._clock()
+        since = failing.get(op)
+        if since is not None and period >= since[0]:
+            del failing[op]
+        for other, (_, last_s) in list(failing.items()):
+            if now - last_s >= QUIET_S:
+                del failing[other]
+        if failing or self.failing_since_s is None:
+            return
         n, span = self.period_errors, now - self.failing_since_s
         self.failing_since_s = None
         self.since_wall = self._wall()
@@ -132,7 +147,12 @@ class BackingHealth:
         if self.failing_since_s is None:
             self.failing_since_s = now
             self.since_wall = self._wall()
-            self.period += 1
+        since = self._failing.get(op)
+        if since is None:
+            self.period += 1                # calls started from now on may clear `op`
+            self._failing[op] = [self.period, now]
+        else:
+            since[1] = now
         self.period_errors += 1
         self.errors[name] = self.errors.get(name, 0) + 1
         ops = self.by_op.setdefault(op, {})
@@ -161,6 +181,7 @@ class BackingHealth:
             "since": round(self.since_wall, 3),
             "failing_for_s": age(self.failing_since_s),
             "period_errors": self.period_errors,
+            "failing_ops": sorted(self._failing),
             "errors": dict(self.errors),
             "by_op": {op: dict(d) for op, d in self.by_op.items()},
             "timeouts": self.timeouts,

@@ -92,14 +92,19 @@ async def test_a_burst_logs_once_then_recovery_once(caplog):
 async def test_a_failure_after_recovery_is_logged_at_once(caplog):
     backing, _, clock = make(caplog)
 
+    full = [True]
+
     def pwrite_all(*args):                  # named as the real one: the op is "write"
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     for _ in range(2):
+        full[0] = True
         with pytest.raises(OSError):
             await backing.write_call(pwrite_all, -1, b"data", 0)
         clock.t += 1
-        await backing.write_call(lambda: None)
+        full[0] = False
+        await backing.write_call(pwrite_all, -1, b"data", 0)
     assert lines(caplog) == [
         "BACKING full: write of BACKING failed: ENOSPC (No space left on device)",
         "BACKING recovered after 1 error over 1.0 s (last: ENOSPC on write)",
@@ -138,3 +143,16 @@ async def test_a_timeout_counts_and_the_caller_gets_eio(caplog):
     assert snap["last_error"] == "timeout on read"
     assert lines(caplog) == ["BACKING timeout: read of BACKING did not finish within 0.1 s "
                              "(the caller gets EIO)"]
+
+
+async def test_other_operations_working_do_not_end_a_failure_until_it_is_quiet(caplog):
+    backing, _, clock = make(caplog)
+    with pytest.raises(OSError):
+        await backing.read_call("read", fail(errno.EIO), b"x")
+    await backing.read_call("stat", lambda: None)       # stats work, reads fail
+    snap = backing.health.snapshot()
+    assert snap["state"] == "failing" and snap["failing_ops"] == ["read"]
+    clock.t += 31                                       # no read error for QUIET_S
+    await backing.read_call("stat", lambda: None)
+    assert backing.health.snapshot()["state"] == "ok"
+    assert lines(caplog)[-1] == "BACKING recovered after 1 error over 31.0 s (last: EIO on read)"
