@@ -88,8 +88,8 @@ def fuse_options(cfg: Config) -> set[str]:
     opts.add("subtype=cachefs")
     if os.geteuid() == 0:
         opts.add("allow_other")
-    if cfg.debug:
-        opts.add("debug")
+    # --debug traces requests in cachefs's own log (trace.py); libfuse's raw trace on
+    # stderr is `-o debug`, passed through like any FUSE option.
     opts.update(cfg.fuse_options)
     return opts
 
