@@ -52,3 +52,11 @@ def test_no_trace_without_debug(make_mount):
     m.stop()
     log = m.logs[-1].read_text()
     assert "cachefs.trace" not in log and " DEBUG " not in log, log[-2000:]
+
+
+def test_libfuse_raw_trace_is_dash_o_debug(make_mount):
+    m = make_mount("-o", "debug")
+    os.stat(m.path())
+    m.stop()
+    log = m.logs[-1].read_text()
+    assert "unique:" in log and "cachefs.trace" not in log, log[-2000:]
