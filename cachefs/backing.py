@@ -1,4 +1,5 @@
-"""BACKING I/O in worker threads: a bounded limiter and timeouts.
+"""BACKING I/O in worker threads: a bounded limiter, timeouts, and the report of every call's
+outcome to `BackingHealth` (health.py).
 
 Owns every syscall on BACKING. Threads get paths, fds, offsets and bytes; they never touch
 extents, the store or stats. BACKING paths are relative to a descriptor of BACKING's root
@@ -14,12 +15,14 @@ import ctypes
 import errno
 import inspect
 import os
+import time
 from typing import Any, Callable, Iterator
 
 import trio
 
 from . import aio
 from .errors import BackingTimeout
+from .health import COUNTED, BackingHealth
 from .statx import fresh_fstat
 from .libc import libc
 
@@ -28,21 +31,86 @@ _ABANDON_KW = ("abandon_on_cancel" if "abandon_on_cancel"
 
 
 class Backing:
-    def __init__(self, threads: int, timeout_s: float, root_fd: int = -1):
+    """Every BACKING call runs through `read_call` or `write_call` (or `close_all`), which
+    report its outcome to `health`: counted failures (health.COUNTED) and timeouts there,
+    and a success only as one attribute set and one test."""
+
+    def __init__(self, threads: int, timeout_s: float, root_fd: int = -1,
+                 health: BackingHealth | None = None):
         self._limiter = trio.CapacityLimiter(threads)
         self.timeout_s = timeout_s
         self.root_fd = root_fd          # BACKING's root (open_root): paths are relative to it
+        self.health = health if health is not None else BackingHealth()
 
     async def read_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a read-only call in a thread; raise BackingTimeout (EIO) if it stalls."""
-        with trio.move_on_after(self.timeout_s):
-            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter,
-                                                 **{_ABANDON_KW: True})
+        health = self.health
+        period = health.period
+        try:
+            with trio.move_on_after(self.timeout_s):
+                result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter,
+                                                       **{_ABANDON_KW: True})
+                health.ok_s = _now()
+                if health.failing_since_s is not None:
+                    health.succeeded(what, period)
+                return result
+        except OSError as exc:
+            if exc.errno in COUNTED:
+                health.failed(what, exc, self.describe(fn, args))
+            raise
+        health.timed_out(what, self.describe(fn, args), self.timeout_s)
         raise BackingTimeout(what, self.timeout_s)
 
     async def write_call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a mutating call in a thread and wait for it, however long BACKING takes."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        health = self.health
+        period = health.period
+        try:
+            result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except OSError as exc:
+            if exc.errno in COUNTED:
+                health.failed(op_name(fn), exc, self.describe(fn, args))
+            raise
+        health.ok_s = _now()
+        if health.failing_since_s is not None:
+            health.succeeded(op_name(fn), period)
+        return result
+
+    async def close_all(self, fds: list[int]) -> list[OSError]:
+        """Close released BACKING fds in one thread call. Counted failures (a close on NFS
+        may report a failed flush) go to `health`; returns the others."""
+        errors = await trio.to_thread.run_sync(close_all, fds, limiter=self._limiter)
+        rest = []
+        for exc in errors:
+            if exc.errno in COUNTED:
+                self.health.failed("close", exc, "a released file")
+            else:
+                rest.append(exc)
+        return rest
+
+    def describe(self, fn: Callable[..., Any], args: tuple) -> str:
+        """What a failed call was on, for the log: a BACKING path (absolute) or the path of
+        the descriptor it used. Only called on a failure; never touches BACKING (the paths
+        of descriptors come from /proc)."""
+        root = self.root_fd
+        try:
+            if args and args[0] == root and isinstance(args[0], int):
+                rest = args[2:] if fn is symlink else args[1:]
+                for a in rest:
+                    if isinstance(a, bytes):
+                        base = _fd_path(root)
+                        return base if not a or a == b"." else \
+                            f"{base.rstrip('/')}/{os.fsdecode(a)}"
+                for a in rest[:2]:
+                    if isinstance(a, int) and a >= 0:
+                        return _fd_path(a)
+                return _fd_path(root)
+            for a in args[:2]:
+                if isinstance(a, int) and not isinstance(a, bool) and a >= 0:
+                    return _fd_path(a)
+        except OSError:
+            pass
+        return "BACKING"
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
         return await self.read_call("read", os.pread, fd, size, off)
@@ -56,6 +124,24 @@ class Backing:
 
     async def fstat(self, fd: int) -> os.stat_result:
         return await self.read_call("stat", os.fstat, fd)
+
+
+_now = time.monotonic
+
+# The operation a function performs, for the log (read_call callers name theirs).
+_OP_NAMES = {"_pwrite_stat": "write", "pwrite_all": "write", "truncate_stat": "truncate",
+             "fsync_path": "fsync", "fdatasync": "fsync", "_destage_io": "destage write",
+             "_open_by_ino": "open", "_writable_twin": "open", "open_direct": "open",
+             "_open_fstat": "open", "close_all": "close"}
+
+
+def op_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", "call")
+    return _OP_NAMES.get(name, name.lstrip("_"))
+
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
 
 
 def _pwrite_stat(fd: int, direct_fd: int, data: bytes, off: int
@@ -134,14 +220,14 @@ def statvfs(root: int) -> os.statvfs_result:
     return os.statvfs(root)
 
 
-def close_all(fds: list[int]) -> list[str]:
+def close_all(fds: list[int]) -> list[OSError]:
     """Close released BACKING fds (one thread call for a batch); returns the errors."""
     errors = []
     for fd in fds:
         try:
             os.close(fd)
         except OSError as exc:
-            errors.append(str(exc))
+            errors.append(exc)
     return errors
 
 

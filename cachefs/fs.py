@@ -20,7 +20,7 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from . import control
+from . import control, trace
 from .attrs import Attributes
 from .cache import Cache
 from .config import Config
@@ -68,6 +68,8 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         self._fds = Handles(cache.namespace)         # open handles and their BACKING fds
         self._open = self._fds.open                 # fh -> OpenFile (the same dict: read())
+        if cfg.debug:
+            trace.wrap(self)        # --debug: one line per request (unwrapped otherwise)
 
     # -- helpers -------------------------------------------------------------------------
 

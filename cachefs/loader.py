@@ -214,7 +214,6 @@ class Loader:
                     cf.fills.pop(e, None)
                 if not isinstance(exc, OSError):
                     raise
-                self.stats.backing_errors += 1
                 job.errors.append(f"{self._show(t.rel)}: {exc.strerror or exc}")
                 job.miss(t, sum(nbytes(e) for e in exts))
                 return

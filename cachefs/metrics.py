@@ -115,6 +115,22 @@ class StatsCollector:
                 g = GaugeMetricFamily("cachefs_" + name, text, labels=names)
                 g.add_metric(base, float(s[key]))
                 yield g
+        health = s.get("backing_health")
+        if health:
+            g = GaugeMetricFamily("cachefs_backing_healthy", "1 while BACKING answers, 0 "
+                                  "while its calls fail (see the daemon log).", labels=names)
+            g.add_metric(base, 1.0 if health["state"] == "ok" else 0.0)
+            yield g
+            c = CounterMetricFamily("cachefs_backing_timeouts", "BACKING calls that ran past "
+                                    "--backing-timeout.", labels=names)
+            c.add_metric(base, health["timeouts"])
+            yield c
+            c = CounterMetricFamily("cachefs_backing_failures", "Failed BACKING calls that "
+                                    "count against its health, by errno.",
+                                    labels=names + ["errno"])
+            for name, n in sorted(health["errors"].items()):
+                c.add_metric(base + [name], n)
+            yield c
         lat = HistogramMetricFamily("cachefs_latency_seconds", "Request latency by tier "
                                     "(ssd_hit, backing_miss, bypass, write, fsync, destage).",
                                     labels=names + ["tier"])

@@ -29,6 +29,7 @@ from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer, socket_path
 from .errors import CommandFailed, UserError
 from .fs import Operations
+from .health import BackingHealth
 from .inodes import InodeTable
 from .metrics import MetricsServer, bind
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
@@ -88,8 +89,8 @@ def fuse_options(cfg: Config) -> set[str]:
     opts.add("subtype=cachefs")
     if os.geteuid() == 0:
         opts.add("allow_other")
-    if cfg.debug:
-        opts.add("debug")
+    # --debug traces requests in cachefs's own log (trace.py); libfuse's raw trace on
+    # stderr is `-o debug`, passed through like any FUSE option.
     opts.update(cfg.fuse_options)
     return opts
 
@@ -101,7 +102,7 @@ class Daemon:
         self.cfg = cfg
         self.stats = Stats()
         self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s,
-                               open_root(cfg.backing))
+                               open_root(cfg.backing), BackingHealth(self.stats))
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = socket_path(cfg.cache_dir, cfg.stats_group)
         self.clean_start = True
@@ -153,6 +154,7 @@ class Daemon:
             "destage_rate": round(d.rate), "eta_s": None if eta is None else round(eta, 1),
             "throttle_delay_s": round(self.stats.throttle_delay_ns / 1e9, 3),
             "last_destage_error": d.last_error,
+            "backing_health": self.backing.health.snapshot(),
             "lifetime": self.stats.lifetime_snapshot(),
         }
 
@@ -239,6 +241,7 @@ class Daemon:
                     log.error("the last metadata commit failed (%s); the next mount "
                               "recovers as after a crash", exc)
             self._save_lifetime()
+            self.backing.health.flush()         # the counts of lines held back
             summary = oplog.unmount_line(self.snapshot())
             try:
                 self.store.close(clean=clean)

@@ -86,5 +86,6 @@ class Namespace:
         await self._backing.write_call(bk.removexattr, self._root, path, fd, name)
 
     async def close_all(self, fds: list[int]) -> list[OSError]:
-        """Close released descriptors in one thread call; returns the errors."""
-        return await self._backing.write_call(bk.close_all, fds)
+        """Close released descriptors in one thread call; returns the errors that are not
+        BACKING health's (those are counted and logged there)."""
+        return await self._backing.close_all(fds)

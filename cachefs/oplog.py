@@ -33,11 +33,12 @@ class RateLimitedLog:
         self._last: dict[Hashable, float] = {}      # key -> time of its last line
         self._held: dict[Hashable, tuple[int, int, str, tuple]] = {}   # key -> n, level, msg
 
-    def log(self, level: int, key: Hashable, msg: str, *args) -> bool:
-        """Log `msg % args` unless `key` logged within the interval. Returns whether it did."""
+    def log(self, level: int, key: Hashable, msg: str, *args, force: bool = False) -> bool:
+        """Log `msg % args` unless `key` logged within the interval (`force`: log it all the
+        same, say because it reports a change of state). Returns whether it did."""
         now = self._clock()
         last = self._last.get(key)
-        if last is not None and now - last < self._interval_s:
+        if not force and last is not None and now - last < self._interval_s:
             n = self._held.get(key, (0,))[0]
             self._held[key] = (n + 1, level, msg, args)
             return False
@@ -51,11 +52,11 @@ class RateLimitedLog:
         self._log.log(level, msg, *args)
         return True
 
-    def info(self, key: Hashable, msg: str, *args) -> bool:
-        return self.log(logging.INFO, key, msg, *args)
+    def info(self, key: Hashable, msg: str, *args, force: bool = False) -> bool:
+        return self.log(logging.INFO, key, msg, *args, force=force)
 
-    def warning(self, key: Hashable, msg: str, *args) -> bool:
-        return self.log(logging.WARNING, key, msg, *args)
+    def warning(self, key: Hashable, msg: str, *args, force: bool = False) -> bool:
+        return self.log(logging.WARNING, key, msg, *args, force=force)
 
     def error(self, key: Hashable, msg: str, *args) -> bool:
         return self.log(logging.ERROR, key, msg, *args)

@@ -175,11 +175,7 @@ class CacheState:
         return cf
 
     async def backing_read(self, fd: int, size: int, off: int) -> bytes:
-        try:
-            data = await self.backing.pread(fd, size, off)
-        except OSError:
-            self.stats.backing_errors += 1
-            raise
+        data = await self.backing.pread(fd, size, off)     # failures: BACKING health counts
         self.stats.backing_read_ops += 1
         self.stats.backing_read_bytes += len(data)
         return data

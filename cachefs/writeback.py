@@ -37,6 +37,7 @@ from .statx import fresh_fstat
 from .dirty import DirtyIndex
 from .errors import CommandFailed
 from .extents import BLK_SHIFT, EXT_SHIFT, block_mask, runs
+from .oplog import RateLimitedLog
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ class Destager:
         self.last_error_s = 0.0
         self.last_progress_s = time.monotonic()
         self._backoff: dict[int, tuple[float, float]] = {}    # ino -> (retry at, delay)
+        self._limited = RateLimitedLog(log)   # failed passes: one line per errno a minute
         # older caches stored absolute path hints: BACKING as given, or its real path
         self._root_paths = (os.fsencode(cfg.backing), os.fsencode(os.path.realpath(cfg.backing)))
 
@@ -187,13 +189,16 @@ class Destager:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         cache = self._cache
-        while True:
-            cf, start_ext = self._next_due()
-            if cf is None:
-                await cache.dirty.wait_dirtied(self._idle_wait_s())
-                continue
-            await self._destage(cf, start_ext)
-            await trio.sleep(0)
+        try:
+            while True:
+                cf, start_ext = self._next_due()
+                if cf is None:
+                    await cache.dirty.wait_dirtied(self._idle_wait_s())
+                    continue
+                await self._destage(cf, start_ext)
+                await trio.sleep(0)
+        finally:
+            self._limited.flush()             # the counts of failure lines held back
 
     def _idle_wait_s(self) -> float:
         if not self._cache.dirty:
@@ -277,8 +282,8 @@ class Destager:
         self.last_error = (f"destaging {os.fsdecode(cf.path or b'?')} to BACKING failed: "
                            f"{exc.strerror or exc}")
         self.last_error_s = time.monotonic()
-        log.warning("%s; the data stays dirty on the SSD, retrying in %.1f s",
-                    self.last_error, delay)
+        self._limited.warning(("destage", exc.errno), "%s; the data stays dirty on the SSD, "
+                              "retrying in %.1f s", self.last_error, delay)
 
     # -- flush -------------------------------------------------------------------------------
 

@@ -164,9 +164,6 @@ class WritePath:
             cf.writes_inflight += 1
             try:
                 written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
-            except OSError:
-                self.stats.backing_errors += 1
-                raise
             finally:
                 cf.writes_inflight -= 1
             cf.clobber(first, last)
@@ -263,9 +260,6 @@ class WritePath:
         cf.writes_inflight += 1
         try:
             written, st = await self.backing.pwrite_stat(of.backing_fd, of.direct_fd, data, off)
-        except OSError:
-            self.stats.backing_errors += 1
-            raise
         finally:
             cf.writes_inflight -= 1
             alone = {}

@@ -14,6 +14,7 @@ import tqdm
 from cachefs import mounttable
 from cachefs.config import format_size
 from cachefs.errors import UserError
+from cachefs.health import summary as health_summary
 
 from . import client
 
@@ -122,6 +123,7 @@ def render(s: dict) -> str:
         ("pinned", f"{s['pinned_files']} files, {format_size(s['pinned_bytes'])} resident "
                    f"(limit {format_size(s['pinned_limit'])}); prefetched "
                    f"{format_size(s['prefetched_bytes'])}"),
+        ("BACKING health", health_summary(s.get("backing_health"))),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']} (full "
                    f"{s.get('cache_full_events', 0)}), metadata commits "
                    f"{s.get('metadata_errors', 0)}; writes around the cache "

@@ -59,7 +59,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS",
                    help="comma-separated cachefs (name=value) or FUSE mount options")
-    p.add_argument("--debug", action="store_true", help="log every FUSE request")
+    p.add_argument("--debug", action="store_true", help="log every FUSE request with its "
+                   "result and duration (DEBUG lines `trace ...`; -o debug adds libfuse's "
+                   "raw trace on stderr)")
 
 
 def _number(value: str, what: str, kind=float) -> float:

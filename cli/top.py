@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 from cachefs.config import format_size
 from cachefs.errors import UserError
+from cachefs.health import summary as health_summary
 
 from . import client
 from .ctl import latency_rows
@@ -111,6 +112,9 @@ def rows(v: View) -> list[tuple[str, str, str]]:
     out.append(("drops", ", ".join(f"{k.replace('_', ' ')} {drops.get(k, 0)}"
                                    + (f" (+{r['drops'][k]})" if r and r["drops"][k] else "")
                                    for k in DROP_REASONS), "yellow" if new_drops else ""))
+    health = s.get("backing_health")
+    out.append(("BACKING health", health_summary(health),
+                "bold red" if health and health["state"] != "ok" else ""))
     new_errors = sum(r["errors"].values()) if r else 0
     out.append(("errors", ", ".join(f"{label} {s.get(key, 0)}"
                                     + (f" (+{r['errors'][key]})" if r and r["errors"][key]
@@ -139,6 +143,7 @@ def line(v: View) -> str:
                   f"destage {_rate(s['destage_rate'])} ETA "
                   f"{'-' if eta is None else f'{eta:.0f} s'}",
                   f"throttle {'ON' if s['throttling'] else 'off'}"]
+    parts.append(f"BACKING {health_summary(s.get('backing_health'))}")
     parts += [f"drops {sum(s.get('drops', {}).values())}",
               "errors " + " ".join(f"{label} {s.get(key, 0)}" for label, key in ERRORS)]
     if s.get("last_destage_error"):

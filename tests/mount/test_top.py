@@ -102,6 +102,7 @@ def test_top_on_a_terminal(busy_mount):
     assert re.search(r"^ ?flow control\s+off; 0 writes delayed", last, re.M), last
     assert re.search(r"^ ?drops\s+coherence 0, recovery 0, capacity 0, operator 0, "
                      r"cache error 0", last, re.M), last
+    assert re.search(r"^ ?BACKING health\s+ok\s*$", last, re.M), last
     assert re.search(r"^ ?errors\s+BACKING 0, cache 0, destage 0, metadata 0", last, re.M)
     assert re.search(r"^ ?last error\s+none", last, re.M), last
 
@@ -118,7 +119,7 @@ def test_top_plain_lines_under_a_pipe(busy_mount):
         assert re.match(r"\d\d:\d\d:\d\d \| read \d+ IOPS [\d.]+ (B|KiB|MiB|GiB)/s \| write 0 IOPS "
                         r"0 B/s \| hit [\d.]+ % \| hit since mount [\d.]+ % \| used 1\.0 MiB "
                         r"of 64\.0 MiB \(1\.6 %\) \| dirty 1\.0 MiB \| destage .* \| throttle "
-                        r"off \| drops 0 \| errors BACKING 0 cache 0 destage 0 metadata 0$",
+                        r"off \| BACKING ok \| drops 0 \| errors BACKING 0 cache 0 destage 0 metadata 0$",
                         ln), ln
     assert any(int(re.search(r"read (\d+) IOPS", ln).group(1)) > 0 for ln in lines)
 

@@ -1,0 +1,116 @@
+"""BACKING health over a BACKING that fails on demand (the bench/ slowfs emulator): readers
+get EIO, cached data keeps being served, the log says it once per burst and once at
+recovery, and `cachefs-ctl stats` shows the state going failing -> ok."""
+
+import errno
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from slowfs_client import mounted_slowfs  # noqa: E402
+
+from tests.conftest import CTL, warm  # noqa: E402
+
+pytestmark = pytest.mark.fuse
+KiB = 1024
+
+
+@pytest.fixture
+def slow_backing(tmp_path):
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    (src / "hot").write_bytes(os.urandom(512 * KiB))
+    (src / "cold").write_bytes(os.urandom(512 * KiB))
+    with mounted_slowfs(src, slow, latency_ms=0.2, jitter_ms=0) as sf:
+        yield src, slow, sf
+
+
+def health_lines(log: str) -> list[str]:
+    return re.findall(r"^.* cachefs\.backing: BACKING .*$", log, re.M)
+
+
+def test_a_burst_of_eio_is_one_warning_then_one_recovery(make_mount, slow_backing):
+    src, slow, sf = slow_backing
+    m = make_mount("--promote-after", "1", backing=slow)
+    hot, cold = (src / "hot").read_bytes(), (src / "cold").read_bytes()
+    warm(m, "hot", len(hot), passes=1)
+    hot_fd = os.open(m.path("hot"), os.O_RDONLY | os.O_DIRECT)
+    cold_fd = os.open(m.path("cold"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert m.stats()["backing_health"]["state"] == "ok"
+        sf.set(eio=1)
+        offsets = random.sample(range(0, len(cold), 64 * KiB), 8)
+        for off in offsets:                             # a burst of misses: all fail
+            with pytest.raises(OSError) as err:
+                os.pread(cold_fd, 4096, off)
+            assert err.value.errno == errno.EIO
+            # the SSD keeps serving what it holds
+            assert os.pread(hot_fd, 4096, off) == hot[off:off + 4096]
+        h = m.stats()["backing_health"]
+        assert h["state"] == "failing" and h["errors"]["EIO"] >= len(offsets), h
+        assert h["period_errors"] >= len(offsets) and h["last_error"] == "EIO on read", h
+        assert h["last_error_on"] == str(slow / "cold"), h
+        assert m.stats()["backing_errors"] == sum(h["errors"].values())
+        text = subprocess.run([*CTL, "stats", str(m.mnt)], capture_output=True, text=True,
+                              check=True).stdout
+        assert re.search(r"BACKING health +failing for \d+ s: \d+ errors, last: EIO on read "
+                         rf"of {re.escape(str(slow / 'cold'))}\n", text), text
+        lines = health_lines(m.logs[-1].read_text())
+        assert lines == [lines[0]] and lines[0].endswith(
+            f"WARNING cachefs.backing: BACKING error: read of {slow / 'cold'} failed: EIO "
+            "(Input/output error)"), lines
+
+        sf.set(eio=0)
+        assert os.pread(cold_fd, 4096, 4096) == cold[4096:8192]
+        assert os.pread(cold_fd, 4096, 8192) == cold[8192:12288]
+        h = m.stats()["backing_health"]
+        assert h["state"] == "ok" and h["period_errors"] == 0, h
+        lines = health_lines(m.logs[-1].read_text())
+        assert len(lines) == 2 and re.search(
+            r"INFO cachefs\.backing: BACKING recovered after \d+ errors over [\d.]+ s "
+            r"\(last: EIO on read\)$", lines[1]), lines
+    finally:
+        sf.set(eio=0)
+        os.close(hot_fd)
+        os.close(cold_fd)
+    m.stop()
+    lines = health_lines(m.logs[-1].read_text())    # unmount reports what was held back
+    assert len(lines) == 3 and re.search(r"BACKING error: read of .* failed: EIO "
+                                         r"\(Input/output error\) \(and \d+ similar lines? "
+                                         r"suppressed\)$", lines[2]), lines
+
+
+def test_a_hung_backing_times_out_with_eio_and_health_says_so(make_mount, slow_backing):
+    src, slow, sf = slow_backing
+    m = make_mount("--backing-timeout", "1", backing=slow)
+    cold = (src / "cold").read_bytes()
+    fd = os.open(m.path("cold"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        sf.set(hang=1)
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as err:
+            os.pread(fd, 4096, 0)
+        assert err.value.errno == errno.EIO
+        assert 0.9 < time.monotonic() - t0 < 10
+        h = m.stats()["backing_health"]                 # the mount answers meanwhile
+        assert h["state"] == "failing" and h["timeouts"] == 1, h
+        assert h["last_error"] == "timeout on read", h
+        sf.set(hang=0)
+        assert os.pread(fd, 4096, 65536) == cold[65536:69632]
+        assert m.stats()["backing_health"]["state"] == "ok"
+    finally:
+        sf.set(hang=0)
+        os.close(fd)
+    lines = health_lines(m.logs[-1].read_text())
+    assert len(lines) == 2, lines
+    assert lines[0].endswith(f"BACKING timeout: read of {slow / 'cold'} did not finish within "
+                             "1 s (the caller gets EIO)"), lines
+    assert "BACKING recovered after 1 error over" in lines[1], lines
+    m.stop()
