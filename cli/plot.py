@@ -106,7 +106,7 @@ def draw(history: dict, path: str, title: str) -> int:
     for ax in (ax_hit, ax_iops, ax_lat, ax_dirty):
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper left", fontsize=8, ncol=3)
+            ax.legend(loc="best", fontsize=8, ncol=3)
     locator = dates.AutoDateLocator()
     ax_dirty.xaxis.set_major_locator(locator)
     ax_dirty.xaxis.set_major_formatter(dates.ConciseDateFormatter(locator))

@@ -206,3 +206,37 @@ def test_samples_pick_the_ring_and_add_the_baseline():
     assert len(h.samples(3600)["columns"]["t"]) == 200
     empty = History(Stats(), lambda: (0, 0)).samples(60)
     assert empty["columns"]["t"] == [] and empty["columns"]["ssd_hit_p50_ns"] == []
+
+
+def test_parse_duration():
+    import pytest
+
+    from cachefs.errors import UserError
+    from cachefs_cli.ctl import parse_duration
+    assert [parse_duration(x) for x in ("30s", "10m", "10min", "1h", "1d", "90", "1.5h")] == \
+        [30, 600, 600, 3600, 86400, 90, 5400]
+    for bad in ("0s", "2d", "1w", "", "h", "-1m"):
+        with pytest.raises(UserError):
+            parse_duration(bad)
+
+
+def test_plot_draws_both_rings(tmp_path):
+    """cli/plot.py on a synthetic history: per-second and per-minute samples, latency gaps
+    (None), and an empty history."""
+    from cachefs_cli import plot
+    stats, h = _history(lambda: (stats.write_bytes // 2, stats.read_bytes))
+    for i in range(7200):
+        if i % 3:
+            _reads(stats, 20, hit=i > 600)
+            stats.lat_hit.add(8000 + i)
+            stats.write_ops += 1
+            stats.write_bytes += 4096
+        h.tick(float(i))
+    for window in (300, 86400):
+        out = tmp_path / f"{window}.png"
+        n = plot.draw(h.samples(window, 1.7e9), str(out), "test")
+        assert n == (301 if window == 300 else 120)
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.png"
+    assert plot.draw(History(Stats(), lambda: (0, 0)).samples(60), str(empty), "t") == 0
+    assert empty.stat().st_size > 0
