@@ -33,7 +33,7 @@ log = logging.getLogger("cachefs.control")
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[dict]]
 CONTROL_XATTR = "user.cachefs.control"   # the mount root's xattr naming the socket path
 MAX_REQUEST = 64 * 1024
-READ_ONLY = frozenset({"stats", "pid"})      # commands anyone who can connect may run
+READ_ONLY = frozenset({"stats", "pid", "history"})   # commands anyone who can connect may run
 RUN_DIR = "/run/cachefs"                     # sockets shared with a --stats-group
 
 

@@ -10,6 +10,8 @@ bucket holding the rank, so never an underestimate) are computed only in `snapsh
 
 from __future__ import annotations
 
+from typing import Sequence
+
 NBUCKETS = 160                  # the last holds everything from 2**40 ns (about 18 minutes) up
 TIERS = ("ssd_hit", "backing_miss", "bypass", "write", "fsync", "destage")
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))
@@ -30,6 +32,20 @@ def bucket_bounds(i: int) -> tuple[int, int]:
     shift = (i >> 2) - 1
     top = (i & 3) + 4
     return top << shift, (top + 1) << shift
+
+
+def percentile_of(counts: Sequence[int], total: int, q: float) -> int | None:
+    """The upper bound of the bucket holding rank ceil(q * total) in bucket `counts` (a
+    histogram's, or the difference of two of its copies); None when `total` is 0."""
+    if not total:
+        return None
+    rank = max(1, -int(-q * total // 1))
+    seen = 0
+    for i, n in enumerate(counts):
+        seen += n
+        if seen >= rank:
+            return bucket_bounds(i)[1]
+    return bucket_bounds(NBUCKETS - 1)[1]
 
 
 class Histogram:
@@ -54,15 +70,7 @@ class Histogram:
 
     def percentile_ns(self, q: float) -> int | None:
         """The upper bound of the bucket holding rank ceil(q * count); None when empty."""
-        if not self.count:
-            return None
-        rank = max(1, -int(-q * self.count // 1))
-        seen = 0
-        for i, n in enumerate(self.counts):
-            seen += n
-            if seen >= rank:
-                return bucket_bounds(i)[1]
-        return bucket_bounds(NBUCKETS - 1)[1]
+        return percentile_of(self.counts, self.count, q)
 
     def snapshot(self) -> dict:
         out: dict = {"count": self.count, "sum_ns": self.sum_ns}

@@ -16,6 +16,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import time
 from typing import Callable
 
 import pyfuse3
@@ -30,6 +31,7 @@ from .control import ControlServer, socket_path
 from .errors import CommandFailed, UserError
 from .fs import Operations
 from .health import BackingHealth
+from .history import MAX_WINDOW_S, History
 from .inodes import InodeTable
 from .metrics import MetricsServer, bind
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
@@ -111,6 +113,7 @@ class Daemon:
         self.ops: Operations | None = None
         self.warm: Warm | None = None
         self.metrics: MetricsServer | None = None
+        self.history: History | None = None
 
     def open(self) -> None:
         if self.cfg.metrics is not None:      # a port in use is found before the slow part
@@ -136,6 +139,8 @@ class Daemon:
         self.warm = Warm(self.cfg, self.cache, self.backing, self.store, self.stats, inodes)
         self.warm.load()
         self.cache.name_listener(self.warm)
+        cache = self.cache
+        self.history = History(self.stats, lambda: (cache.dirty_bytes(), cache.used_bytes()))
         log.info("cache %s: %s for %s, %d extents (%s) warm", self.cfg.cache_dir,
                  format_size(capacity * EXT_SIZE), self.cfg.backing, len(self.cache.pool),
                  format_size(self.cache.used_bytes()))
@@ -156,7 +161,18 @@ class Daemon:
             "last_destage_error": d.last_error,
             "backing_health": self.backing.health.snapshot(),
             "lifetime": self.stats.lifetime_snapshot(),
+            "windows": self.history.windows(),
         }
+
+    async def history_cmd(self, request: dict, progress) -> dict:
+        """The samples of the last `window` seconds (per second up to an hour, per minute
+        up to a day), as columns; times are Unix times."""
+        window = request.get("window", 3600)
+        if isinstance(window, bool) or not isinstance(window, (int, float)) \
+                or not 1 <= window <= MAX_WINDOW_S:
+            raise CommandFailed(f"the history window is a number of seconds from 1 to "
+                                f"{MAX_WINDOW_S}.")
+        return {"history": self.history.samples(window, time.time() - trio.current_time())}
 
     async def flush_cmd(self, request: dict, progress) -> dict:
         """Destage everything; progress lines every half second; fails with the reason."""
@@ -195,7 +211,7 @@ class Daemon:
         control = ControlServer(self.control_path, {
             "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd,
             "flush": self.flush_cmd, "prefetch": self.prefetch_cmd, "pin": self.pin_cmd,
-            "unpin": self.unpin_cmd}, group=self.cfg.stats_group)
+            "unpin": self.unpin_cmd, "history": self.history_cmd}, group=self.cfg.stats_group)
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -210,6 +226,7 @@ class Daemon:
                 await nursery.start(self._run_lifetime_saver)
                 if self.metrics is not None:
                     await nursery.start(self.metrics.run)
+                await nursery.start(self.history.run)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
                 real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -27,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", metavar="MOUNTPOINT")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
+    s.add_argument("--plot", metavar="FILE.png", help="draw hit ratio, IOPS, latency "
+                   "percentiles and dirty bytes over time from the daemon's history")
+    s.add_argument("--window", metavar="DURATION", help="the span --plot draws: 30s, 10m, 1h "
+                   "(default), 1d at most (per-second samples up to an hour, per-minute beyond)")
     m = sub.add_parser("metrics", help="Prometheus exposition text (for node_exporter's "
                        "textfile collector)")
     m.add_argument("mountpoint", metavar="MOUNTPOINT")
@@ -89,6 +94,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         raise UserError("--watch needs a positive number of seconds.")
+    if args.plot is not None:
+        return cmd_plot(args)
+    if args.window is not None:
+        raise UserError("--window is the span of a --plot; give --plot FILE.png with it.")
     while True:
         stats = client.request(args.mountpoint, "stats")["stats"]
         if args.json:
@@ -98,6 +107,45 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if args.watch is None:
             return 0
         time.sleep(args.watch)
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+MAX_PLOT_WINDOW_S = 86400
+
+
+def parse_duration(text: str) -> float:
+    """'30s', '10m', '1h', '1d' (or plain seconds) -> seconds, up to a day."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d)?\s*", text)
+    seconds = float(m.group(1)) * DURATION_UNITS[m.group(2) or "s"] if m else 0
+    if not 1 <= seconds <= MAX_PLOT_WINDOW_S:
+        raise UserError(f"--window takes a duration from 1s to 1d like 30s, 10m, 1h or 1d, "
+                        f"not {text!r}.")
+    return seconds
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Fetch the history of the last --window and draw it (cli/plot.py) into --plot."""
+    if args.watch is not None:
+        raise UserError("--plot draws once; it does not go with --watch.")
+    window_s = parse_duration(args.window or "1h")
+    history = client.request(args.mountpoint, "history", window=window_s)["history"]
+    s = client.request(args.mountpoint, "stats")["stats"]
+    from . import plot
+    span = args.window or "1h"
+    title = f"cachefs {s['mountpoint']} <- {s['backing']} ({s['mode']}), last {span}"
+    try:
+        n = plot.draw(history, args.plot, title)
+    except OSError as exc:
+        raise UserError(f"cannot write {args.plot}: {exc.strerror or exc}.") from None
+    except ValueError as exc:
+        raise UserError(f"cannot write {args.plot}: {exc}.") from None
+    if args.json:
+        print(json.dumps({"plot": args.plot, "samples": n, "window_s": window_s,
+                          "step_s": history["step_s"]}))
+    else:
+        print(f"wrote {args.plot} ({n} samples, one every {history['step_s']:g} s, "
+              f"over the last {span})")
+    return 0
 
 
 def render(s: dict) -> str:
@@ -113,6 +161,7 @@ def render(s: dict) -> str:
         ("  from BACKING", f"{s['miss_ops']} ops, {format_size(s['miss_bytes'])}"),
         ("  sequential bypass", f"{s['bypass_ops']} ops, {format_size(s['bypass_bytes'])}"),
         ("writes", f"{s['write_ops']} ops, {format_size(s['write_bytes'])}"),
+        *window_rows(s.get("windows")),
         *_writeback_rows(s),
         *latency_rows(s.get("latency")),
         ("promotions", f"{s['promotions']} (+{s['promotions_dropped']} dropped, "
@@ -184,6 +233,44 @@ def _writeback_rows(s: dict) -> list[tuple[str, str]]:
                          f"{s['throttled_writes']} writes delayed "
                          f"{s['throttle_delay_s']:.1f} s in all"),
         ("conflicts", f"{s['conflicts']} (BACKING changed while dirty here)"),
+    ]
+
+
+RATE_NAMES = {"1s": "1 s", "10s": "10 s", "1m": "1 min"}
+DECAY_NAMES = {"1m": "1 min", "5m": "5 min", "1h": "1 h", "1d": "1 day"}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def window_rows(w: dict | None, rates: tuple[str, ...] = ("1s", "10s", "1m")) \
+        -> list[tuple[str, str]]:
+    """Rates over the last `rates` windows and the decaying hit ratios (the daemon's
+    history.py)."""
+    if not w:
+        return []
+    r = [w["rates"].get(name) for name in rates]
+    zero = {"read_iops": 0, "read_bytes_per_s": 0, "write_iops": 0, "write_bytes_per_s": 0}
+    r = [x or zero for x in r]
+
+    def figs(key: str, fmt) -> str:
+        return " / ".join(fmt(x[key]) for x in r)
+
+    def iops(v: float) -> str:
+        return f"{v:.0f}"
+
+    def bps(v: float) -> str:
+        return f"{format_size(v)}/s"
+
+    d = w["hit_ratio"]
+    return [
+        ("rates", "last " + " / ".join(RATE_NAMES.get(n, n) for n in rates)),
+        ("  reads", f"{figs('read_iops', iops)} IOPS; {figs('read_bytes_per_s', bps)}"),
+        ("  writes", f"{figs('write_iops', iops)} IOPS; {figs('write_bytes_per_s', bps)}"),
+        ("hit ratio, decaying", ", ".join(f"{DECAY_NAMES.get(k, k)} {_pct(v['ops'])}"
+                                          for k, v in d.items())
+         + " (bytes: " + ", ".join(_pct(v["bytes"]) for v in d.values()) + ")"),
     ]
 
 

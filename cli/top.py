@@ -1,8 +1,9 @@
 """`cachefs-ctl top MOUNTPOINT`: a live view of one mount, redrawn every interval.
 
 Owns the view only: it polls the daemon's `stats` command (read-only, so a member of the
-mount's --stats-group may run it) and derives rates from the difference of two polls, so the
-daemon keeps no history for it. On a terminal one screen is redrawn in place with rich; when
+mount's --stats-group may run it) and derives the interval's rates from the difference of two
+polls; beside them it shows the daemon's own 10 s / 1 min rates and decaying hit ratios
+(cachefs/history.py). On a terminal one screen is redrawn in place with rich; when
 stdout is not a terminal (a pipe, a log file) it prints one plain line per interval.
 """
 
@@ -18,7 +19,7 @@ from cachefs.errors import UserError
 from cachefs.health import summary as health_summary
 
 from . import client
-from .ctl import latency_rows
+from .ctl import latency_rows, window_rows
 
 DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error")
 ERRORS = (("BACKING", "backing_errors"), ("cache", "cache_errors"),
@@ -90,6 +91,7 @@ def rows(v: View) -> list[tuple[str, str, str]]:
                       + ("" if r is None else f"; promotions {r['promotions_s']:.0f}/s, "
                          f"evictions {r['evictions_s']:.0f}/s"), ""),
     ]
+    out += [(label, text, "") for label, text in window_rows(s.get("windows"), ("10s", "1m"))]
     out += [(label, text, "") for label, text in latency_rows(s.get("latency"))]
     if s["mode"] == "write-back" or s["dirty_bytes"]:
         eta = s.get("eta_s")

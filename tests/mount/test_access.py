@@ -89,6 +89,11 @@ def test_stats_group_reads_and_is_refused_changes(public_mount):
     assert s["mode"] == "write-back" and s["write_bytes"] == len(data)
     assert s["dirty_bytes"] > 0
     assert ctl(NOBODY, "stats", str(m.mnt)).returncode == 0
+    with tempfile.TemporaryDirectory() as out:        # the history command is read-only
+        os.chmod(out, 0o777)
+        res = ctl(NOBODY, "stats", str(m.mnt), "--plot", f"{out}/p.png", "--window", "1m")
+        assert res.returncode == 0, res.stderr
+        assert Path(out, "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     for args in (["flush", str(m.mnt)], ["drop", str(m.mnt)], ["pin", str(m.path("f"))]):
         res = ctl(NOBODY, *args)
