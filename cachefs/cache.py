@@ -244,14 +244,20 @@ class Cache:
         cf.writes_inflight -= 1
 
     def destage_done(self, cf: CachedFile, plan: list[tuple[Extent, int]],
-                     st: os.stat_result) -> None:
-        """BACKING has the snapshot durably: blocks not rewritten since turn clean."""
+                     st: os.stat_result, snapshot_s: float) -> None:
+        """BACKING has the snapshot (taken at `snapshot_s`) durably: blocks not rewritten
+        since turn clean; what stays dirty was written after the snapshot, and ages from it."""
         cf.writes_inflight -= 1
+        still = []
         for x, snap in plan:
             if cf.extents.get(x.ext) is not x:
                 continue                         # truncated or dropped meanwhile
             self.dirty.clear(cf, x, snap & ~x.redirty)
+            if x.dirty:
+                still.append(x.key)
             self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+        if still:
+            self.dirty.restamp(still, snapshot_s)
         self.coherence.own_change(cf, st, size_exact=False)
 
     def set_wb_fd(self, cf: CachedFile, fd: int) -> None:

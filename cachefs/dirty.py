@@ -61,6 +61,27 @@ class DirtyIndex:
             self._cleaned.set()
             self._cleaned = trio.Event()
 
+    def restamp(self, keys: list[tuple[int, int]], since: float) -> None:
+        """Extents a destage pass left dirty: every block still dirty was written after the
+        pass's snapshot at `since` (the older ones are on BACKING now), so their age starts
+        there, not when the extent first turned dirty; otherwise an extent rewritten during
+        every pass would look ever older, be "due" forever and be destaged again and again
+        instead of letting its rewrites coalesce. Keeps the oldest-first order: extents
+        dirtied after `since` stay behind the restamped ones."""
+        order = self._since
+        later: list[tuple[tuple[int, int], float]] = []
+        while order:
+            key = next(reversed(order))
+            if order[key] <= since:
+                break
+            later.append((key, order.pop(key)))
+        for key in keys:
+            if order.get(key, since) < since:
+                del order[key]
+                order[key] = since
+        for key, t in reversed(later):
+            order[key] = t
+
     def bytes(self) -> int:
         return self.blocks * BLK_SIZE
 

@@ -120,7 +120,7 @@ class Engine(Protocol):
     def destage_failed(self, cf: "CachedFile") -> None: ...
     async def persist(self, durable: bool = False) -> None: ...
     def destage_done(self, cf: "CachedFile", plan: "list[tuple[Extent, int]]",
-                     st: os.stat_result) -> None: ...
+                     st: os.stat_result, snapshot_s: float) -> None: ...
 
 
 class Destager:
@@ -247,8 +247,8 @@ class Destager:
                     return
                 cache.set_wb_fd(cf, fd)
             plan, runs = cache.destage_plan(cf, BATCH_BYTES, start_ext)
+            t0 = time.monotonic()                # no await since the snapshot: its time
             nbytes = sum(n for _, n in runs)
-            t0 = time.monotonic()
             t0_ns = time.perf_counter_ns()
             try:
                 st = await self._backing.write_call(_destage_io, cache.cache_path(cf.ino),
@@ -260,7 +260,7 @@ class Destager:
                     raise
                 self._failed(cf, exc)
                 return
-            cache.destage_done(cf, plan, st)
+            cache.destage_done(cf, plan, st, t0)
         self._backoff.pop(cf.ino, None)
         elapsed = max(time.monotonic() - t0, 1e-6)
         self._stats.destage_ops += 1

@@ -41,6 +41,31 @@ def test_dirty_index_counts_blocks_and_keeps_the_oldest_first():
     assert (d.blocks, len(d), cf.dirty_exts, d.oldest_age_s()) == (0, 0, 0, 0.0)
 
 
+def test_restamp_ages_what_a_destage_pass_left_dirty_from_its_snapshot(monkeypatch):
+    """Blocks still dirty after a destage pass were written after its snapshot: the extent
+    ages from the snapshot, not from when it first turned dirty (otherwise an extent
+    rewritten during every pass looks ever older and is destaged over and over)."""
+    now = [0.0]
+    monkeypatch.setattr("cachefs.dirty.time.monotonic", lambda: now[0])
+    d = DirtyIndex()
+    cf = CachedFile(1)
+    a, b, c = Extent(1, 0), Extent(1, 1), Extent(1, 2)
+    d.set(cf, a, 1)                                  # t=0
+    now[0] = 1.0
+    d.set(cf, b, 1)                                  # t=1
+    now[0] = 3.0
+    d.set(cf, c, 1)                                  # t=3, after the snapshot at t=2
+    now[0] = 10.0
+    assert d.oldest_age_s() == 10.0
+    d.restamp([a.key, c.key, (1, 9)], 2.0)           # c is newer, (1, 9) is not dirty
+    assert list(d) == [b.key, a.key, c.key]          # still oldest first
+    assert d.oldest_age_s() == 9.0                   # b, dirty since t=1
+    d.clear(cf, b, 1)
+    assert d.oldest_age_s() == 8.0                   # a, from the snapshot at t=2
+    d.clear(cf, a, 1)
+    assert d.oldest_age_s() == 7.0                   # c kept its own time
+
+
 async def test_dirty_index_events_wake_waiters_and_time_out(autojump_clock):
     d = DirtyIndex()
     cf, x = CachedFile(1), Extent(1, 0)
