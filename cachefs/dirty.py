@@ -96,6 +96,10 @@ class DirtyIndex:
         with trio.move_on_after(timeout_s):
             await self._dirtied.wait()
 
+    def wake(self) -> None:
+        """Wake the destager as if data had turned dirty (a writer needs room now)."""
+        self._dirtied.set()
+
     async def wait_cleaned(self, timeout_s: float) -> None:
         """Wait until some dirty extent turns clean (or `timeout_s`)."""
         cleaned = self._cleaned

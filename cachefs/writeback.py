@@ -133,6 +133,7 @@ class Destager:
         self.delay_s = min(5.0, cfg.max_dirty_age_s / 2)
         self.rate = 0.0                       # destage rate, bytes/s (moving average)
         self.force = 0                        # flush requests in progress
+        self.room_wanted = 0                  # writers waiting for a slot held by dirty data
         self._engaged_s: float | None = None  # when writers began to be slowed (for the log)
         self._engaged_writes = 0
         self.last_error: str | None = None
@@ -180,9 +181,18 @@ class Destager:
     def throttling(self) -> bool:
         return bool(self.high) and self._cache.dirty_bytes() > self.high
 
-    async def wait_progress(self, timeout_s: float = 0.5) -> None:
-        """Wait until some dirty data turned clean (or a short while)."""
-        await self._cache.dirty.wait_cleaned(timeout_s)
+    async def wait_room(self, timeout_s: float = 0.5) -> None:
+        """A writer needs a cache slot and every slot it could take holds dirty data: make
+        the destager due now and wait until some dirty data turned clean (or a short while).
+        The dirty marks count bytes, the pool counts 64 KiB extents: scattered small writes
+        fill every slot while the dirty bytes stay under --dirty-low, and going by bytes and
+        age alone the destager would wait out the write-back delay while the writer waits."""
+        self.room_wanted += 1
+        try:
+            self._cache.dirty.wake()
+            await self._cache.dirty.wait_cleaned(timeout_s)
+        finally:
+            self.room_wanted -= 1
 
     # -- the destage loop --------------------------------------------------------------------
 
@@ -207,7 +217,7 @@ class Destager:
 
     def _due(self) -> bool:
         cache = self._cache
-        return (self.force > 0 or cache.dirty_bytes() > self.low
+        return (self.force > 0 or self.room_wanted > 0 or cache.dirty_bytes() > self.low
                 or cache.oldest_dirty_age_s() >= self.delay_s)
 
     def _next_due(self) -> "tuple[CachedFile | None, int]":

@@ -63,12 +63,12 @@ class WritePath:
                 if not of.readable:
                     return await self._write_around(of, off, data)
                 if not await self._fill_for_write(of, cf, gaps) and not self._s.ssd_full():
-                    await self._destager.wait_progress()
+                    await self._destager.wait_room()
                 continue
             missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
             if missing and not self._s.make_room(missing):
                 self.stats.throttled_writes += 1
-                await self._destager.wait_progress()      # the pool is full of dirty data
+                await self._destager.wait_room()          # the pool is full of dirty data
                 continue
             if missing and self._partial_gaps(cf, off, end):
                 continue                # making room evicted a block this write fills
