@@ -181,6 +181,10 @@ class Destager:
     def throttling(self) -> bool:
         return bool(self.high) and self._cache.dirty_bytes() > self.high
 
+    def failing(self) -> bool:
+        """True while the last destage pass failed and none succeeded since."""
+        return self.last_error_s > self.last_progress_s
+
     async def wait_room(self, timeout_s: float = 0.5) -> None:
         """A writer needs a cache slot and every slot it could take holds dirty data: make
         the destager due now and wait until some dirty data turned clean (or a short while).

@@ -48,8 +48,9 @@ class WritePath:
         Checkpoints: flow control (above --dirty-high), waiting for room while the pool is
         full of dirty data, and filling a partly written block that BACKING holds bytes of.
         After the last checkpoint everything is synchronous, hence atomic. When the SSD is
-        out of space, or a partly written block cannot be read from BACKING (a write-only
-        handle BACKING would not reopen read-write), the write goes around the cache.
+        out of space, a partly written block cannot be read from BACKING (a write-only
+        handle BACKING would not reopen read-write), or the write needs room while destaging
+        fails, the write goes around the cache.
         """
         cf = of.cfile
         end = off + len(data)
@@ -63,11 +64,17 @@ class WritePath:
                 if not of.readable:
                     return await self._write_around(of, off, data)
                 if not await self._fill_for_write(of, cf, gaps) and not self._s.ssd_full():
+                    if self._destager.failing():
+                        return await self._write_around(of, off, data)
                     await self._destager.wait_room()
                 continue
             missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
             if missing and not self._s.make_room(missing):
                 self.stats.throttled_writes += 1
+                if self._destager.failing():
+                    # No room, and destaging fails (BACKING errors): BACKING takes this
+                    # write or says why, rather than a wait for room that may never come.
+                    return await self._write_around(of, off, data)
                 await self._destager.wait_room()          # the pool is full of dirty data
                 continue
             if missing and self._partial_gaps(cf, off, end):

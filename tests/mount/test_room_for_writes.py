@@ -4,14 +4,21 @@ The pool counts 64 KiB extents; the dirty marks count bytes. Scattered small wri
 every slot with an extent holding a few dirty blocks while the dirty bytes stay under
 --dirty-low, so the destager, going by bytes and age alone, waited for the write-back delay
 (5 s by default) while a writer needing a new slot waited for it: a write took 5 s. Now a
-writer waiting for room makes the destager due at once."""
+writer waiting for room makes the destager due at once; and while destaging fails, a write
+that needs room goes to BACKING (which takes it or says why) instead of waiting forever."""
 
+import errno
 import os
+import sys
+import threading
 import time
 
 import pytest
 
-from tests.conftest import flush_all
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from slowfs_client import mounted_slowfs  # noqa: E402
+
+from tests.conftest import flush_all  # noqa: E402
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 KiB = 1024
@@ -45,3 +52,48 @@ def test_scattered_writes_never_wait_for_the_write_back_delay(make_mount):
         assert f.read() == bytes(expect)
     with open(m.path("f"), "rb") as f:
         assert f.read() == bytes(expect)
+
+
+def test_a_write_needing_room_while_destaging_fails_gets_the_error_not_a_hang(make_mount,
+                                                                             tmp_path):
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    with mounted_slowfs(src, slow, latency_ms=0.2, jitter_ms=0) as sf:
+        m = make_mount("--mode", "write-back", "--cache-size", "1M", backing=slow)
+        fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+        result: list = []
+        try:
+            sf.set(eio=1)                        # BACKING fails every read and write
+            for e in range(16):                  # every slot of the pool dirty (on the SSD)
+                os.pwrite(fd, bytes([e + 1]) * 4 * KiB, e * 64 * KiB)
+
+
+            def needs_room():
+                try:
+                    result.append(os.pwrite(fd, b"x" * 4 * KiB, 16 * 64 * KiB))
+                except OSError as exc:
+                    result.append(exc)
+
+            t = threading.Thread(target=needs_room, daemon=True)
+            t0 = time.monotonic()
+            t.start()
+            t.join(20)
+            print(f"the write needing room ended after {time.monotonic() - t0:.1f} s")
+            stuck = t.is_alive()
+            sf.set(eio=0)                        # lets a stuck write finish, for clean-up
+            t.join(60)
+            assert not stuck, "a write needing room hung while destaging failed"
+            assert isinstance(result[0], OSError) and result[0].errno == errno.EIO, result
+            os.pwrite(fd, b"y" * 4 * KiB, 16 * 64 * KiB)     # BACKING is back: accepted
+        finally:
+            sf.set(eio=0)
+            os.close(fd)
+        t0 = time.monotonic()
+        flush_all(m)
+        print(f"flush after recovery {time.monotonic() - t0:.1f} s")
+        data = (slow / "f").read_bytes()
+        for e in range(16):
+            assert data[e * 64 * KiB:e * 64 * KiB + 4 * KiB] == bytes([e + 1]) * 4 * KiB
+        assert data[16 * 64 * KiB:] == b"y" * 4 * KiB
+        m.stop()                                 # before its BACKING goes away
