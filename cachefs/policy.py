@@ -116,10 +116,10 @@ class S3Fifo:
         for _ in range(4 * (len(self) + 1)):
             if self._small and (len(self._small) >= small_target or not self._main):
                 key, x = self._small.popitem(last=False)
-                if x.dirty:
-                    self._small[key] = x
-                    continue
-                if x.freq > 0 or x.ino in self.protected:
+                if x.dirty or x.freq > 0 or x.ino in self.protected:
+                    # used again, written (dirty data cannot leave) or protected: to main.
+                    # (Put back into the small queue, a dirty head was met again and again
+                    # until the search gave up, with clean extents waiting in main.)
                     x.freq = 0
                     x.queue = MAIN
                     self._main[key] = x

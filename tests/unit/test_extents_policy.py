@@ -106,6 +106,22 @@ def test_dirty_extents_are_never_victims():
     assert pol.victim() is xs[3]
 
 
+def test_dirty_extents_in_the_small_queue_do_not_stop_eviction():
+    """A dirty extent at the head of a small queue at its target size was put back there
+    again and again until the search gave up, while clean extents waited in the main queue:
+    writes waited for room and promotions were dropped with nothing dirty but that one."""
+    for p in (S3Fifo(16), Clock(16)):
+        clean = [Extent(1, i) for i in range(12)]
+        for x in clean:
+            p.insert_main(x)
+        d = Extent(2, 0, valid=FULL_MASK, dirty=1)
+        p.insert(d)
+        victims = [p.victim() for _ in range(12)]
+        assert sorted(x.ext for x in victims) == list(range(12)), type(p).__name__
+        assert p.victim() is None                      # only the dirty one is left
+        assert len(p) == 1
+
+
 def test_all_valid_counts_no_access():
     cf = CachedFile(5, (5, 1 << 20, 1, 1))
     cf.extents[0] = Extent(5, 0, FULL_MASK)
