@@ -22,6 +22,8 @@ from .state import CacheState
 from .writeback import Destager
 
 
+NO_ROOM, OVERTAKEN = "no room", "overtaken"     # why a fill for a partial write failed
+
 class WritePath:
     def __init__(self, state: CacheState, coherence: Coherence, destager: Destager):
         self._s = state
@@ -56,6 +58,7 @@ class WritePath:
         end = off + len(data)
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
         await self._destager.throttle(len(data))
+        overtaken = 0
         while True:
             if self._s.ssd_full():
                 return await self._write_around(of, off, data)
@@ -63,10 +66,17 @@ class WritePath:
             if gaps:
                 if not of.readable:
                     return await self._write_around(of, off, data)
-                if not await self._fill_for_write(of, cf, gaps) and not self._s.ssd_full():
+                why = await self._fill_for_write(of, cf, gaps)
+                if why == NO_ROOM and not self._s.ssd_full():
                     if self._destager.failing():
                         return await self._write_around(of, off, data)
                     await self._destager.wait_room()
+                elif why == OVERTAKEN:
+                    # A promotion of the same extent installed it first, or a truncate or
+                    # an eviction got in: look again at once (a few times, then go around).
+                    overtaken += 1
+                    if overtaken > 3:
+                        return await self._write_around(of, off, data)
                 continue
             missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
             if missing and not self._s.make_room(missing):
@@ -223,12 +233,20 @@ class WritePath:
                     gaps.append(e)
         return gaps
 
-    async def _fill_for_write(self, of: OpenFile, cf: CachedFile, exts: list[int]) -> bool:
-        """Read extents from BACKING into the cache so a sub-block write can be merged."""
+    async def _fill_for_write(self, of: OpenFile, cf: CachedFile, exts: list[int]
+                              ) -> str | None:
+        """Read extents from BACKING into the cache so a sub-block write can be merged.
+        None when they are in; NO_ROOM when the pool has no room for them (nothing read);
+        OVERTAKEN when an install was refused for another reason (a promotion of the same
+        extent came first, a truncate, an eviction): worth another look at once, whereas
+        room comes only from the destager."""
+        need = sum(1 for e in exts if e not in cf.extents)
+        if need and not self._s.make_room(need):
+            return NO_ROOM
         self.stats.partial_block_fills += 1
         for e in exts:
             cf.fills.setdefault(e, False)
-        ok = True
+        why = None
         for e in exts:
             try:
                 chunk = await self._s.backing_read(of.backing_fd, EXT_SIZE, e << EXT_SHIFT)
@@ -236,8 +254,8 @@ class WritePath:
                 cf.fills.pop(e, None)
                 raise
             if not self._s.install(cf, e, chunk):
-                ok = False
-        return ok
+                why = OVERTAKEN
+        return why
 
     async def _write_through(self, of: OpenFile, off: int, data: bytes) -> int:
         """Write-through: BACKING first, then the cached blocks the write touches.

@@ -97,3 +97,39 @@ def test_a_write_needing_room_while_destaging_fails_gets_the_error_not_a_hang(ma
             assert data[e * 64 * KiB:e * 64 * KiB + 4 * KiB] == bytes([e + 1]) * 4 * KiB
         assert data[16 * 64 * KiB:] == b"y" * 4 * KiB
         m.stop()                                 # before its BACKING goes away
+
+
+def test_a_partial_write_racing_a_promotion_of_its_extent_does_not_stall(make_mount, tmp_path):
+    """A read miss promotes its extent (a slow BACKING read with the fill marked); a partial
+    write to the same extent meanwhile fills it too, and the promotion's install comes first.
+    The write's own install is then refused as overtaken: it used to wait for the destager
+    (0.5 s, with nothing dirty); now it looks again at once and finds the extent cached."""
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    data = bytearray(os.urandom(16 * 64 * KiB))
+    (src / "f").write_bytes(bytes(data))
+    with mounted_slowfs(src, slow, latency_ms=30, jitter_ms=0) as sf:
+        m = make_mount("--mode", "write-back", "--promote-after", "1", backing=slow)
+        rfd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
+        wfd = os.open(m.path("f"), os.O_WRONLY)
+        slowest = 0.0
+        try:
+            for e in range(16):
+                reader = threading.Thread(target=os.pread, args=(rfd, 4 * KiB, e * 64 * KiB))
+                reader.start()
+                time.sleep(0.01)                 # the promotion's BACKING read is under way
+                off = e * 64 * KiB + 8 * KiB + 100
+                t0 = time.monotonic()
+                os.pwrite(wfd, b"w" * 100, off)
+                slowest = max(slowest, time.monotonic() - t0)
+                data[off:off + 100] = b"w" * 100
+                reader.join(30)
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+        print(f"slowest partial write {slowest:.3f} s")
+        assert slowest < 0.3, f"a 100-byte write took {slowest:.2f} s"
+        flush_all(m)
+        assert (slow / "f").read_bytes() == bytes(data)
+        m.stop()

@@ -1,0 +1,51 @@
+"""fsx (the file system exerciser) on a cachefs mount, in both modes, through a tiny pool.
+
+fsx runs random reads, writes, mmap reads and writes, truncates and close/open cycles on
+one file and checks every byte it reads against its own model. Runs only where an fsx
+binary is named by CACHEFS_FSX (it is not downloaded): the Apple/FreeBSD fsx.c (one file;
+on 64-bit Linux its `check_eofpage` needs `unsigned long` for `last_page` and
+`should_be_zero`) or xfstests' ltp/fsx; both take the flags used here.
+
+    sudo CACHEFS_FSX=/usr/local/bin/fsx pytest tests/mount/test_fsx.py
+
+A 1 MiB pool (16 extents) under 8 MB files and 300 KB operations keeps evicting, filling
+partial blocks and, in write-back, destaging while writes wait for room.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import flush_all
+
+pytestmark = [pytest.mark.fuse, pytest.mark.slow]
+OPS = int(os.environ.get("CACHEFS_FSX_OPS", "3000"))
+
+
+def fsx_binary() -> str:
+    path = os.environ.get("CACHEFS_FSX")
+    if not path:
+        pytest.skip("set CACHEFS_FSX to an fsx binary to run it")
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"{path} is not an executable fsx")
+    return path
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+@pytest.mark.parametrize("seed", [11, 12])
+def test_fsx_through_a_tiny_pool(make_mount, mode, seed):
+    fsx = fsx_binary()
+    m = make_mount("--mode", mode, "--cache-size", "1M", "--promote-after", "1")
+    name = f"fsx{seed}"
+    out = subprocess.run([fsx, "-q", "-N", str(OPS), "-S", str(seed), "-c", "20",
+                          "-l", "8000000", "-o", "300000", name],
+                         cwd=m.mnt, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "All operations completed A-OK!" in out.stdout
+    flush_all(m)
+    view = Path(m.path(name)).read_bytes()
+    assert (m.backing / name).read_bytes() == view      # BACKING holds what the mount shows
