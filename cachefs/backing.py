@@ -65,12 +65,16 @@ class Backing:
         """Run a mutating call in a thread and wait for it, however long BACKING takes."""
         health = self.health
         period = health.period
+        n = health.write_seq = health.write_seq + 1
+        health.writes[n] = (fn, args, _now())          # a write that never returns shows
         try:
             result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         except OSError as exc:
             if exc.errno in COUNTED:
                 health.failed(op_name(fn), exc, self.describe(fn, args))
             raise
+        finally:
+            del health.writes[n]
         health.ok_s = _now()
         if health.failing_since_s is not None:
             health.succeeded(op_name(fn), period)
@@ -111,6 +115,10 @@ class Backing:
         except OSError:
             pass
         return "BACKING"
+
+    def what(self, fn: Callable[..., Any], args: tuple) -> str:
+        """A call for the log: `write of /srv/slow/f`."""
+        return f"{op_name(fn)} of {self.describe(fn, args)}"
 
     async def pread(self, fd: int, size: int, off: int) -> bytes:
         return await self.read_call("read", os.pread, fd, size, off)

@@ -98,6 +98,11 @@ class BackingHealth:
         # The log's last word on health was "ok" (mount) or "recovered": the next failure is
         # the first of a period, and is logged whatever the pace.
         self._said_ok = True
+        # Writes in flight (Backing.write_call): n -> (fn, args, monotonic start). Writes are
+        # never abandoned, so one that hangs is neither an error nor a success: a stall.
+        self.write_seq = 0
+        self.writes: dict[int, tuple] = {}
+        self.stall: tuple[str, float] | None = None     # (what, monotonic start)
 
     # -- outcomes (Backing reports them) ----------------------------------------------------
 
@@ -163,6 +168,25 @@ class BackingHealth:
         if self._stats is not None:
             self._stats.backing_errors += 1
 
+    def check_stalls(self, limit_s: float, what: Callable[..., str]) -> None:
+        """Called once a second: the oldest write in flight has run `limit_s` or longer (the
+        writer still waits for it). One WARNING when a stall begins, one INFO when no write
+        is over the limit any more; `what(fn, args)` names a write for the log."""
+        now = self._clock()
+        oldest = min(self.writes.values(), key=lambda w: w[2], default=None)
+        if oldest is not None and now - oldest[2] >= limit_s:
+            if self.stall is None:
+                self.stall = (what(oldest[0], oldest[1]), oldest[2])
+                self._log.warning("BACKING stalled: %s has not returned after %.0f s (writes "
+                                  "are never abandoned: the writer waits; reads fail with "
+                                  "EIO after --backing-timeout)", self.stall[0],
+                                  now - oldest[2])
+        elif self.stall is not None:
+            self._log.info("BACKING stall over: no write has been waiting %g s or longer "
+                           "(%s took %.0f s or more)", limit_s, self.stall[0],
+                           now - self.stall[1])
+            self.stall = None
+
     # -- reporting --------------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -176,8 +200,11 @@ class BackingHealth:
             return None if t is None else round(now - t, 1)
 
         failing = self.failing_since_s is not None
+        stall = self.stall
         return {
-            "state": "failing" if failing else "ok",
+            "state": "stalled" if stall else "failing" if failing else "ok",
+            "stalled_for_s": None if stall is None else age(stall[1]),
+            "stalled_on": None if stall is None else stall[0],
             "since": round(self.since_wall, 3),
             "failing_for_s": age(self.failing_since_s),
             "period_errors": self.period_errors,
@@ -197,6 +224,11 @@ def summary(h: dict | None) -> str:
     last: EIO on read of /srv/slow/f` (from a snapshot's "backing_health")."""
     if not h:
         return "-"
+    if h["state"] == "stalled":
+        text = f"stalled for {h['stalled_for_s']:.0f} s: {h['stalled_on']} has not returned"
+        if h["failing_for_s"] is not None:
+            text += f"; failing for {h['failing_for_s']:.0f} s, last: {h['last_error']}"
+        return text
     if h["state"] == "failing":
         n = h["period_errors"]
         text = (f"failing for {h['failing_for_s']:.0f} s: {n} error{'' if n == 1 else 's'}"

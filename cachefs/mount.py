@@ -227,6 +227,7 @@ class Daemon:
                 if self.metrics is not None:
                     await nursery.start(self.metrics.run)
                 await nursery.start(self.history.run)
+                nursery.start_soon(self._watch_backing)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
                 real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting
@@ -268,6 +269,12 @@ class Daemon:
                           "recovers as after a crash", exc)
             if clean:
                 log.info("%s", summary)
+
+    async def _watch_backing(self) -> None:
+        """Once a second: is a BACKING write stalled (running past --backing-timeout)?"""
+        while True:
+            await trio.sleep(1)
+            self.backing.health.check_stalls(self.cfg.backing_timeout_s, self.backing.what)
 
     async def _run_lifetime_saver(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Save the lifetime totals every commit interval in which a counter moved (a

@@ -372,10 +372,11 @@ class Warm:
                      " or was missing after the remount" if verify else "")
         if job.missing_bytes():
             pin.retry_s = time.monotonic() + RETRY_S
-            (log.warning if job.full or job.errors else log.info)("pinned file %s: %s could not be loaded (%s); retrying in %g s",
-                        self._show(pin.rel), format_size(job.missing_bytes()),
-                        "; ".join(job.errors) or ("no room: the pool holds only pinned, "
-                        "dirty or loading data" if job.full else "written meanwhile"), RETRY_S)
+            why = "; ".join(job.errors) or ("no room: the pool holds only pinned, dirty or "
+                                            "loading data" if job.full else "written meanwhile")
+            say = log.warning if job.full or job.errors else log.info
+            say("pinned file %s: %s could not be loaded (%s); retrying in %g s",
+                self._show(pin.rel), format_size(job.missing_bytes()), why, RETRY_S)
 
     async def _resolve(self, pin: Pin) -> bytes | None:
         """The BACKING path of a pinned inode: its recorded path, or the one the mount knows

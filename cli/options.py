@@ -1,4 +1,5 @@
-"""Turning command-line and fstab options into a Config (shared by `cachefs` and `mount.cachefs`)."""
+"""Turning command-line and fstab options into a Config (shared by `cachefs` and
+`mount.cachefs`)."""
 
 from __future__ import annotations
 

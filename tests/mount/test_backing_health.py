@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import CTL, warm  # noqa: E402
+from tests.conftest import CTL, wait_until, warm  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 KiB = 1024
@@ -113,4 +114,47 @@ def test_a_hung_backing_times_out_with_eio_and_health_says_so(make_mount, slow_b
     assert lines[0].endswith(f"BACKING timeout: read of {slow / 'cold'} did not finish within "
                              "1 s (the caller gets EIO)"), lines
     assert "BACKING recovered after 1 error over" in lines[1], lines
+    m.stop()
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_hung_backing_write_shows_as_a_stall_then_ends(make_mount, slow_backing, mode):
+    """Writes are never abandoned, so a BACKING write that hangs is neither an error nor a
+    success: past --backing-timeout it is a stall (state, `stats` row, one WARNING), and one
+    INFO when it returns. (Write-back: the write's fill read or the destager's pass.)"""
+    src, slow, sf = slow_backing
+    m = make_mount("--mode", mode, "--backing-timeout", "1", "--max-dirty-age", "1",
+                   backing=slow)
+    hot = (src / "hot").read_bytes()
+    warm(m, "hot", len(hot))
+    fd = os.open(m.path("cold"), os.O_WRONLY)
+    hfd = os.open(m.path("hot"), os.O_RDONLY | os.O_DIRECT)    # opening needs BACKING
+    done = threading.Event()
+    try:
+        sf.set(hang=1)
+        t = threading.Thread(target=lambda: (os.pwrite(fd, b"s" * 4096, 0), done.set()),
+                             daemon=True)
+        t.start()
+        wait_until(lambda: m.stats()["backing_health"]["state"] == "stalled", 20)
+        h = m.stats()["backing_health"]
+        assert h["stalled_for_s"] >= 1 and str(slow / "cold") in h["stalled_on"], h
+        out = subprocess.run([*CTL, "stats", str(m.mnt)], capture_output=True, text=True,
+                             timeout=30)
+        assert re.search(r"BACKING health +stalled for \d+ s: [\w ]+ of .*cold has not returned",
+                         out.stdout), out.stdout
+        assert os.pread(hfd, 8192, 4096) == hot[4096:12288]   # hits are served meanwhile
+        sf.set(hang=0)
+        t.join(30)
+        assert done.is_set()
+        # (a read that timed out meanwhile, e.g. the kernel's getxattr before the write,
+        # may leave the state "failing" until that operation works again)
+        wait_until(lambda: m.stats()["backing_health"]["stalled_for_s"] is None, 20)
+    finally:
+        sf.set(hang=0)
+        os.close(fd)
+        os.close(hfd)
+    text = m.logs[-1].read_text()
+    stalled = re.findall(r"BACKING stalled: [\w ]+ of \S*cold has not returned after \d+ s", text)
+    over = re.findall(r"BACKING stall over: no write has been waiting 1 s or longer", text)
+    assert len(stalled) == 1 and len(over) == 1, text[-3000:]
     m.stop()
