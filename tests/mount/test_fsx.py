@@ -44,7 +44,9 @@ def test_fsx_through_a_tiny_pool(make_mount, mode, seed):
     out = subprocess.run([fsx, "-q", "-N", str(OPS), "-S", str(seed), "-c", "20",
                           "-l", "8000000", "-o", "300000", name],
                          cwd=m.mnt, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    text = out.stdout + out.stderr
+    # what went wrong comes first, then fsx's log of the operations before it
+    assert out.returncode == 0, text[:3000] + "\n...\n" + text[-3000:]
     assert "All operations completed A-OK!" in out.stdout
     flush_all(m)
     view = Path(m.path(name)).read_bytes()
