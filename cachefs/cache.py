@@ -79,19 +79,21 @@ class Cache:
         self.pins = listener
 
     def needs_unlink_guard(self, ino: int | None) -> bool:
+        """Write-back: the file has cached data, or is open (its data may come after the
+        unlink, written through a descriptor still open: found by the kill -9 rounds)."""
         cf = self.files.get(ino) if ino is not None else None
-        return self.write_back and cf is not None and bool(cf.extents)
+        return self.write_back and cf is not None and bool(cf.extents or cf.open_count)
 
     async def unlink_guarded(self, ino: int | None, unlink: Callable[[], Awaitable[T]]) -> T:
         """Run `unlink`, which removes the last BACKING name of inode `ino`.
 
-        Write-back, with cached data: first a durable intent (and the file's identity), so
+        Write-back, with cached data (or open): first a durable intent (and the identity), so
         that after a crash mid-way the data is never taken for a new file that reuses the
         inode number (recovery in load()); the intent goes in the batch that drops the
         file. The destager is kept out meanwhile, so the identity stays as recorded."""
-        cf = self.files.get(ino) if ino is not None else None
-        if not self.write_back or cf is None or not cf.extents:
+        if not self.needs_unlink_guard(ino):
             return await unlink()
+        cf = self.files[ino]
         key = UNLINKING + str(cf.ino)
         async with self.state.file_lock(cf):
             self.state.persist_identity(cf)
