@@ -254,10 +254,9 @@ class Cache:
         for x, snap in plan:
             if cf.extents.get(x.ext) is not x:
                 continue                         # truncated or dropped meanwhile
-            self.dirty.clear(cf, x, snap & ~x.redirty)
+            self.state.map.clean(cf, x, snap & ~x.redirty)
             if x.dirty:
                 still.append(x.key)
-            self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
         if still:
             self.dirty.restamp(still, snapshot_s)
         self.coherence.own_change(cf, st, size_exact=False)

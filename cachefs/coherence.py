@@ -14,7 +14,7 @@ import os
 
 import trio
 
-from .extents import CachedFile, identity
+from .extents import FULL_MASK, CachedFile, identity
 from .state import CacheState
 
 log = logging.getLogger("cachefs.cache")
@@ -114,10 +114,9 @@ class Coherence:
         cf.clobber(0, 1 << 62)
         for x in list(cf.extents.values()):
             if not x.dirty:
-                self._s.remove_extent(cf, x)
+                self._s.map.remove(cf, x)
             elif x.valid != x.dirty:
-                x.valid = x.dirty
-                self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+                self._s.map.invalidate(cf, x, FULL_MASK)
 
     def own_change(self, cf: CachedFile, st: os.stat_result, size_exact: bool) -> None:
         """Record BACKING's identity after a change made by cachefs itself.

@@ -20,3 +20,9 @@ class BackingTimeout(OSError):
 
 class CommandFailed(Exception):
     """A control command could not do what was asked; the sentence says why."""
+
+
+class InvariantError(AssertionError):
+    """The extent map broke one of its invariants (docs/concurrency.md): a bug. The daemon
+    stops rather than risk serving or destaging wrong bytes; crash-safe metadata keeps the
+    next mount correct."""

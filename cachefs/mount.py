@@ -228,6 +228,8 @@ class Daemon:
                     await nursery.start(self.metrics.run)
                 await nursery.start(self.history.run)
                 nursery.start_soon(self._watch_backing)
+                if self.cfg.check_invariants:
+                    nursery.start_soon(self._check_invariants)
                 if self.cache.dirty and not self.cache.write_back:
                     await self._destage_before_write_through()
                 real_mountpoint = os.path.realpath(self.cfg.mountpoint)   # before mounting
@@ -269,6 +271,13 @@ class Daemon:
                           "recovers as after a crash", exc)
             if clean:
                 log.info("%s", summary)
+
+    async def _check_invariants(self) -> None:
+        """--check-invariants: the whole extent map against its invariants, twice a second
+        (every change is checked as it happens too); a violation ends the daemon."""
+        while True:
+            await trio.sleep(0.5)
+            self.cache.state.map.check()
 
     async def _watch_backing(self) -> None:
         """Once a second: is a BACKING write stalled (running past --backing-timeout)?"""

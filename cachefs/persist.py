@@ -14,6 +14,7 @@ reverse; what a full SSD means for the pool is the engine's (`Space`).
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import sqlite3
 import time
@@ -28,6 +29,7 @@ from .store import MetadataStore
 log = logging.getLogger("cachefs.persist")
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+PUNCH_CHUNK = 256          # holes punched per thread call (~256 fallocate calls, ~ms)
 
 
 class Space(Protocol):
@@ -58,6 +60,7 @@ class Persister:
         self._punch: dict[tuple[int, int], None] = {}          # evicted, not yet committed
         self._punch_committing: dict[tuple[int, int], None] = {}
         self._punching: set[tuple[int, int]] = set()           # holes being punched now
+        self._punched = trio.Event()                           # set when those are done
         self._journaled: set[tuple[int, int]] = set()          # in the doubt journal already
         self._lock = trio.Lock()                 # batches commit in the order they are taken
         self._warned_s = -1e9
@@ -80,6 +83,16 @@ class Persister:
     def punching(self, key: tuple[int, int]) -> bool:
         """True while the hole of extent `key` is being punched (no data may go there)."""
         return key in self._punching
+
+    def releasing(self, key: tuple[int, int]) -> bool:
+        """True if the SSD space of extent `key` is to be released or being released."""
+        return key in self._punch or key in self._punch_committing or key in self._punching
+
+    async def wait_punched(self) -> None:
+        """Wait until the holes being punched now are punched (a writer that needs one of
+        those extents must not put data there before: the punch would zero it)."""
+        if self._punching:
+            await self._punched.wait()
 
     def journal_dirtying(self, key: tuple[int, int]) -> None:
         """Clean blocks of extent `key` are about to be overwritten with dirty data: note it
@@ -141,18 +154,26 @@ class Persister:
                 raise OSError(errno.EIO, f"the cache's metadata could not be committed: "
                               f"{exc}") from None
             return
-        if self._punch_committing:
-            keys = list(self._punch_committing)
-            self._punch_committing = {}
+        punched = bool(self._punch_committing)
+        while self._punch_committing:
+            # A bounded chunk at a time: a writer that needs one of these extents waits for
+            # its chunk only, and a key reused before its chunk starts (`reused`) leaves
+            # `_punch_committing` and is never punched.
+            keys = list(itertools.islice(self._punch_committing, PUNCH_CHUNK))
+            for key in keys:
+                del self._punch_committing[key]
             self._punching = set(keys)
+            self._punched = trio.Event()
             try:
                 await trio.to_thread.run_sync(self._files.punch_holes, keys)
             except OSError as exc:      # the space stays used; the map no longer claims it
                 self._space.ssd_failed(exc, "releasing evicted space")
+                self._punch_committing = {}
             finally:
                 self._punching = set()
-            if store.ensure_reserve():     # space was released: try the SSD again
-                self._space.space_released()
+                self._punched.set()
+        if punched and store.ensure_reserve():     # space was released: try the SSD again
+            self._space.space_released()
         self._space.regrow_pool()
 
     def _metadata_failed(self, exc: Exception) -> None:

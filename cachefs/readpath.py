@@ -14,7 +14,8 @@ import trio
 
 from . import readahead
 from .config import EXT_SIZE
-from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, runs
+from .extentmap import spans
+from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, runs
 from .hit import OpenFile
 from .state import CacheState
 
@@ -53,10 +54,11 @@ class ReadPath:
         st = self.stats
         st.read_ops += 1
         cutoff = self.cfg.sequential_cutoff
+        before = self._dirty_blocks(cf, off, size)      # write-back: newer than BACKING
         if cutoff and of.seq.note(off, size) > cutoff:
             data = await self._stream_read(of, off, size)
-            if cf.dirty_exts:           # write-back: dirty blocks are newer than BACKING
-                data = self._overlay_dirty(cf, off, size, data)
+            if before or cf.dirty_exts:
+                data = await self._overlay_dirty(of, off, size, data, before)
             st.bypass_ops += 1
             st.bypass_bytes += len(data)
             st.read_bytes += len(data)
@@ -98,8 +100,8 @@ class ReadPath:
             await self._promote(cf, [(e, whole[(e << EXT_SHIFT) - start:
                                                (e << EXT_SHIFT) - start + EXT_SIZE])
                                      for e in promote])
-        if cf.dirty_exts:
-            data = self._overlay_dirty(cf, off, size, data)
+        if before or cf.dirty_exts:
+            data = await self._overlay_dirty(of, off, size, data, before)
         st.miss_bytes += len(data)
         st.read_bytes += len(data)
         of.miss_lat = st.lat_miss
@@ -193,9 +195,45 @@ class ReadPath:
             self._ahead_inflight -= 1
             ahead.done.set()
 
-    def _overlay_dirty(self, cf: CachedFile, off: int, size: int, data: bytes) -> bytes:
-        """Lay the dirty blocks (newer than BACKING) over data read from BACKING, and extend
-        it with zeros up to the logical size."""
+    @staticmethod
+    def _dirty_blocks(cf: CachedFile, off: int, size: int) -> list[tuple[Extent, int]]:
+        """The dirty blocks of [off, off + size) now, as (extent, mask) pairs."""
+        if not cf.dirty_exts:
+            return []
+        out = []
+        for e, _, _, m in spans(off, min(off + size, cf.size)):
+            x = cf.extents.get(e)
+            if x is not None and x.dirty & m:
+                out.append((x, x.dirty & m))
+        return out
+
+    async def _overlay_dirty(self, of: OpenFile, off: int, size: int, data: bytes,
+                             before: list[tuple[Extent, int]]) -> bytes:
+        """Lay the cached blocks newer than BACKING over bytes read from BACKING, and
+        extend them with zeros up to the logical size.
+
+        Newer are the blocks dirty now, and those dirty when the BACKING read began
+        (`before`): the destager may have written them to BACKING during the read, which
+        then saw either version. Those are still valid in the cache (clean now, the same
+        bytes), unless dropped meanwhile (destaged, then evicted): then BACKING has them
+        durably and is read again."""
+        cf = of.cfile
+        while True:
+            buf = self._overlay(cf, off, size, data, before)
+            if buf is not None:
+                return buf
+            self.stats.overlay_rereads += 1
+            before = self._dirty_blocks(cf, off, size)
+            data = await self._s.backing_read(of.backing_fd, size, off)
+
+    def _overlay(self, cf: CachedFile, off: int, size: int, data: bytes,
+                 before: list[tuple[Extent, int]]) -> bytes | None:
+        """_overlay_dirty's synchronous part; None if a block of `before` left the cache."""
+        was = {}
+        for x, m in before:
+            if cf.extents.get(x.ext) is not x or x.valid & m != m:
+                return None
+            was[x.ext] = m
         end = min(off + size, cf.size)
         if end <= off:
             return data
@@ -203,16 +241,15 @@ class ReadPath:
         if len(buf) < end - off:
             buf.extend(bytes(end - off - len(buf)))
         fd = self.cachefiles.fd(cf)
-        for e in range(off >> EXT_SHIFT, ((end - 1) >> EXT_SHIFT) + 1):
+        for e, s, t, m in spans(off, end):
             x = cf.extents.get(e)
-            if x is None or not x.dirty:
+            if x is None:
                 continue
             base = e << EXT_SHIFT
-            for b0, b1 in runs(x.dirty & block_mask(max(off, base) - base,
-                                                     min(end, base + EXT_SIZE) - base)):
-                s = max(off, base + (b0 << BLK_SHIFT))
-                t = min(end, base + (b1 << BLK_SHIFT))
-                buf[s - off:t - off] = os.pread(fd, t - s, s)
+            for b0, b1 in runs((x.dirty | was.get(e, 0)) & m):
+                bs = max(s, base + (b0 << BLK_SHIFT))
+                bt = min(t, base + (b1 << BLK_SHIFT))
+                buf[bs - off:bt - off] = os.pread(fd, bt - bs, bs)
         self.cachefiles.close_idle(cf)
         return bytes(buf)
 

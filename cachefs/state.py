@@ -1,11 +1,12 @@
 """The cache state: the files with cached data, the pool of extents and its capacity, and
-the changes that keep them consistent (load at mount, install, evict, drop, a full SSD).
+the decisions that keep them consistent (load at mount, install, evict, drop, a full SSD).
 
 Owns `CacheState`: `files` (ino -> CachedFile), `pool` (eviction order), `admission`,
-`capacity_exts`/`target_exts`, the SSD-full hold, and the objects below it (the dirty
-index, the cache files, the persister, the store). Every change of which extents exist goes
-through here, in synchronous code (atomic under trio). Imports only lower modules; the read
-path, the write path, coherence and the engine façade use it.
+`capacity_exts`/`target_exts`, the SSD-full hold, and the objects below it (the extent map,
+the dirty index, the cache files, the persister, the store). Extent state itself changes
+only through `self.map` (extentmap.ExtentMap), in synchronous code (atomic under trio).
+Imports only lower modules; the read path, the write path, coherence and the engine façade
+use it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .backing import Backing
 from .cachefiles import CacheFiles, pwrite_all
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
+from .extentmap import ExtentMap
 from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, block_mask, identity, runs
 from .persist import NO_SPACE, Persister
 from .policy import Admission, Clock, S3Fifo
@@ -49,6 +51,8 @@ class CacheState:
         self.dirty = DirtyIndex()                # write-back: extents newer than BACKING
         self.cachefiles = CacheFiles(cfg.cache_dir)
         self.persister = Persister(store, self.cachefiles, stats, self, cfg.commit_interval_s)
+        self.map = ExtentMap(self.files, self.pool, self.dirty, store, self.persister,
+                             self.cachefiles.path, check=cfg.check_invariants)
         self._ssd_full_until = 0.0
         self._shrink_at_s = -1e9
         self._ssd_warned_s = -1e9
@@ -60,6 +64,7 @@ class CacheState:
         treated as dirty: it may hold data newer than BACKING.
         """
         files, extents = self.store.load()
+        checking, self.map.check_all = self.map.check_all, False     # checked when whole
         for ino, (size, mtime_ns, ctime_ns, path, lsize) in files.items():
             cf = self.files[ino] = CachedFile(ino, (ino, size, mtime_ns, ctime_ns))
             cf.path = path
@@ -79,10 +84,7 @@ class CacheState:
                 self.persister.evicted((ino, ext))
                 over += 1
                 continue
-            x = cf.extents[ext] = Extent(ino, ext, valid, 0)
-            self.pool.insert_main(x)
-            if dirty:
-                self.dirty.set(cf, x, dirty)
+            self.map.add(cf, ext, valid, dirty, main=True)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -92,6 +94,17 @@ class CacheState:
                             cf.ino, os.fsdecode(cf.path or b"?"), len(cf.extents))
                 self.drop_file(cf)
                 del self.files[cf.ino]
+        if not clean_stop:
+            touched, lost = self.map.repair_holes()
+            if touched:
+                self.stats.drop_recovery += touched
+                log.warning("unclean stop: %d cached extents had valid blocks missing from "
+                            "their cache files (cut before the commit that forgot them); "
+                            "those blocks are read from BACKING (reason: recovery)%s", touched,
+                            f"; {lost} of them were dirty and are lost" if lost else "")
+        self.map.check_all = checking
+        if checking:
+            self.map.check()
         if over:
             self.stats.drop_capacity += over
             log.warning("dropped %d cached extents beyond the cache size of %s (reason: "
@@ -121,26 +134,12 @@ class CacheState:
         return self.cachefiles.path(ino)
 
     def persist_identity(self, cf: CachedFile) -> None:
-        if cf.extents and cf.identity is not None:
-            _, size, mtime_ns, ctime_ns = cf.identity
-            self.store.queue_file(cf.ino, size, mtime_ns, ctime_ns, cf.path, cf.size)
-
-    def remove_extent(self, cf: CachedFile, x: Extent) -> None:
-        """Forget an extent, dirty blocks included (truncated, unlinked or unusable)."""
-        self.dirty.clear(cf, x, x.dirty)
-        self.pool.remove(x)
-        del cf.extents[x.ext]
-        self.store.queue_drop_extent(cf.ino, x.ext)
+        self.map.persist_identity(cf)
 
     def drop_file(self, cf: CachedFile) -> None:
         """Forget every cached extent of a file, dirty ones included."""
-        for x in list(cf.extents.values()):
-            self.dirty.clear(cf, x, x.dirty)
-            self.pool.remove(x)
-        cf.extents.clear()
-        cf.clobber(0, 1 << 62)
+        self.map.drop_file(cf)
         self.admission.forget_file(cf.ino)
-        self.store.queue_drop_file(cf.ino)
         self.store.queue_meta(UNLINKING + str(cf.ino), None)
         # Safe before the commit: the stored identity no longer matches BACKING.
         try:
@@ -214,15 +213,9 @@ class CacheState:
             self.cachefiles.close_idle(cf)               # map is unchanged and still true
             return False
         if x is None:
-            x = cf.extents[e] = Extent(cf.ino, e, valid)
-            self.pool.insert(x)
-            self.persister.reused(key)
-            if len(cf.extents) == 1:
-                self.persist_identity(cf)
+            self.map.add(cf, e, valid)
         else:
-            x.valid |= valid
-        self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
-        self.persister.written(cf.ino)
+            self.map.fill(cf, x, fill)
         self.stats.promotions += 1
         self.cachefiles.close_idle(cf)
         return True
@@ -239,10 +232,7 @@ class CacheState:
 
     def evict(self, cf: CachedFile, x: Extent) -> None:
         """Forget a clean extent; its SSD space is released after the next durable commit."""
-        self.remove_extent(cf, x)
-        self.persister.evicted(x.key)
-        if not cf.extents:
-            self.store.queue_drop_file(cf.ino)
+        self.map.evict(cf, x)
 
     def file_lock(self, cf: CachedFile) -> trio.Lock:
         """Serialises a file's destaging with its truncation."""

@@ -24,6 +24,8 @@ COUNTERS = (
     "stale_files", "backing_errors", "cache_errors",
     "conflicts",                           # BACKING changed while we held dirty data
     "partial_block_fills",                 # write-back: sub-block writes that read BACKING
+    "punch_waits",                         # writes that waited for an evicted hole's release
+    "overlay_rereads",                     # BACKING re-read: a dirty block left mid-read
     "writes_around",                       # write-back writes sent to BACKING (SSD full...)
     "cache_full_events",                   # SSD writes that failed for lack of space
     "metadata_errors",                     # failed metadata commits (retried)

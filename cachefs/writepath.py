@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 
+import trio
+
 from . import backing as bk
 from .cachefiles import pwrite_all
 from .coherence import Coherence
 from .config import BLK_SIZE, EXT_SIZE
-from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, block_mask, covered_mask, runs
+from .extentmap import spans
+from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask, runs
 from .hit import OpenFile
 from .persist import NO_SPACE
 from .state import CacheState
@@ -62,6 +65,15 @@ class WritePath:
         while True:
             if self._s.ssd_full():
                 return await self._write_around(of, off, data)
+            if cf.shrinking is not None:
+                await cf.shrinking.wait()           # a truncate is committing its new end
+                continue
+            if any(self.persister.punching((cf.ino, e)) for e in range(first, last + 1)):
+                # The hole of an extent this write needs is being punched (it was evicted
+                # and its space is being released): data put there now would be zeroed.
+                self.stats.punch_waits += 1
+                await self.persister.wait_punched()
+                continue
             gaps = self._partial_gaps(cf, off, end)
             if gaps:
                 if not of.readable:
@@ -114,14 +126,9 @@ class WritePath:
         caller writes the same bytes to BACKING (_write_around), so both agree again.
         """
         end = off + len(data)
-        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
-        for e in range(first, last + 1):
+        for e, _, _, m in spans(off, end):
             x = cf.extents.get(e)
-            if x is None:
-                continue
-            base = e << EXT_SHIFT
-            m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
-            if x.valid & ~x.dirty & m:
+            if x is not None and x.valid & ~x.dirty & m:
                 self.persister.journal_dirtying(x.key)      # before clean data changes
         fd = self.cachefiles.fd(cf)
         head, tail = self._zero_pads(cf, off, end)
@@ -130,22 +137,14 @@ class WritePath:
         if tail:
             pwrite_all(fd, bytes(tail), end)
         pwrite_all(fd, data, off)
-        for e in range(first, last + 1):
-            x = cf.extents.get(e)
-            if x is None:
-                x = cf.extents[e] = Extent(cf.ino, e)
-                self.pool.insert(x)
-                self.persister.reused(x.key)
-            base = e << EXT_SHIFT
-            m = block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
-            x.valid |= m
-            x.redirty |= m
-            self.dirty.set(cf, x, m)
-            self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
         if end > cf.size:
             cf.size = end
+        for e, _, _, m in spans(off, end):
+            x = cf.extents.get(e)
+            if x is None:
+                x = self._s.map.add(cf, e)
+            self._s.map.write(cf, x, m)
         self._s.persist_identity(cf)
-        self.persister.written(cf.ino)
 
     async def _write_around(self, of: OpenFile, off: int, data: bytes) -> int:
         """A write-back write that cannot be cached goes to BACKING at once (write-through).
@@ -163,21 +162,17 @@ class WritePath:
         async with self._s.file_lock(cf):
             cf.clobber(first, last)
             view = memoryview(data)
-            for e in range(first, last + 1):
+            for e, s, t, m in spans(off, end):
                 x = cf.extents.get(e)
                 if x is None:
                     continue
                 base = e << EXT_SHIFT
-                s, t = max(off, base), min(end, base + EXT_SIZE)
-                m = block_mask(s - base, t - base)
                 for b0, b1 in runs(x.dirty & m):
                     bs = max(s, base + (b0 << BLK_SHIFT))
                     bt = min(t, base + (b1 << BLK_SHIFT))
                     pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
-                    x.redirty |= block_mask(bs - base, bt - base)
-                x.valid &= ~(m & ~x.dirty)
-                self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
-                self.persister.written(cf.ino)
+                    self._s.map.write(cf, x, block_mask(bs - base, bt - base))
+                self._s.map.invalidate(cf, x, m)
             cf.writes_inflight += 1
             try:
                 written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
@@ -270,7 +265,7 @@ class WritePath:
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
         cf.clobber(first, last)
         mine = []
-        for e in range(first, last + 1):
+        for e, _, _, m in spans(off, end):
             track = cf.wtrack.get(e)
             if track is None:
                 track = cf.wtrack[e] = [0, 0]
@@ -279,8 +274,7 @@ class WritePath:
             mine.append((e, track[1], track[0] == 1))
             x = cf.extents.get(e)
             if x is not None:
-                base = e << EXT_SHIFT
-                x.valid &= ~block_mask(max(off, base) - base, min(end, base + EXT_SIZE) - base)
+                self._s.map.invalidate(cf, x, m)
         trunc_seq = cf.trunc_seq
         cf.writes_inflight += 1
         try:
@@ -294,10 +288,6 @@ class WritePath:
                 track[0] -= 1
                 if not track[0]:
                     del cf.wtrack[e]
-            for e in range(first, last + 1):
-                x = cf.extents.get(e)
-                if x is not None:
-                    self.store.queue_extent(cf.ino, e, x.valid, x.dirty)
         cf.clobber(first, last)       # fills that may have read BACKING before our write
         self.stats.write_ops += 1
         self.stats.write_bytes += written
@@ -311,29 +301,24 @@ class WritePath:
     def _update_cached(self, cf: CachedFile, off: int, data: bytes,
                        alone: dict[int, bool]) -> None:
         """Put a completed write's bytes into the cached extents it was alone on."""
-        end = off + len(data)
         view = memoryview(data)
-        for e, ok in alone.items():
+        for e, s, t, m in spans(off, off + len(data)):
             x = cf.extents.get(e)
             if x is None:
                 continue
-            base = e << EXT_SHIFT
-            s, t = max(off, base), min(end, base + EXT_SIZE)
-            if not ok:
-                x.valid &= ~block_mask(s - base, t - base)
+            if not alone[e]:
+                self._s.map.invalidate(cf, x, m)
                 continue
             try:
                 pwrite_all(self.cachefiles.fd(cf), view[s - off:t - off], s)
             except OSError as exc:
                 self._s.ssd_failed(exc, "a write-through update")
                 self.stats.drop_cache_error += 1
-                self._s.remove_extent(cf, x)
-                self.persister.evicted(x.key)
+                self._s.map.remove(cf, x)
                 continue
             # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
-            x.valid |= covered_mask(s - base, t - base, cf.size - base)
-            self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
-            self.persister.written(cf.ino)
+            base = e << EXT_SHIFT
+            self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base))
 
     async def truncate(self, ino: int, size: int, path: bytes, fd: int | None
                        ) -> os.stat_result:
@@ -345,9 +330,11 @@ class WritePath:
         async with self._s.file_lock(cf):
             return await self._truncate_locked(cf, size, path, fd)
 
-    def _trim(self, cf: CachedFile, size: int) -> None:
-        """Drop cached blocks past a new size (dirty ones too) and zero the cache file
-        there, as BACKING will be."""
+    def _trim(self, cf: CachedFile, size: int, cut_file: bool = True) -> None:
+        """Drop cached blocks past a new size (dirty ones too) and, with `cut_file`, zero
+        the cache file there, as BACKING will be. The cache file is cut only once BACKING
+        is truncated (and, in write-back, the trimmed map is durable): a crash before that
+        must find the bytes the stored map still calls valid (invariant I5)."""
         cf.clobber(size >> EXT_SHIFT, 1 << 62)
         cf.trunc_seq += 1
         if self.write_back:       # keep the block holding the new end: it may be dirty
@@ -357,12 +344,11 @@ class WritePath:
         for x in list(cf.extents.values()):
             base = x.ext << EXT_SHIFT
             if base >= keep_below:
-                self._s.remove_extent(cf, x)
+                self._s.map.remove(cf, x)
             elif base + EXT_SIZE > keep_below:
-                keep = block_mask(0, keep_below - base)
-                self.dirty.clear(cf, x, x.dirty & ~keep)
-                x.valid &= keep
-                self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+                self._s.map.trim(cf, x, block_mask(0, keep_below - base))
+        if not cut_file:
+            return
         try:
             self.cachefiles.truncate(cf, size)
         except FileNotFoundError:
@@ -370,15 +356,24 @@ class WritePath:
 
     async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
                                ) -> os.stat_result:
-        self._trim(cf, min(size, cf.size))
+        self._trim(cf, min(size, cf.size), cut_file=False)
         if self.write_back and size < cf.size:
             # Shrinking: the new logical size and the dirty blocks gone past it are durable
             # before BACKING shrinks, so that after a crash the file is never longer than
             # BACKING's truncate left it with older dirty data past the end (the database
             # may still call such data dirty even when memory no longer does).
+            # Until the cache file is cut, its bytes past the new end are the old ones:
+            # writes to the file wait (a write past the end would expose them in the block
+            # holding it), so the cut can follow the commit (invariant I5 after a crash).
             cf.size = size
             self._s.persist_identity(cf)
-            await self.persister.persist(durable=True)
+            cf.shrinking = trio.Event()
+            try:
+                await self.persister.persist(durable=True)
+                self._trim(cf, size)        # again: promotions may have come meanwhile
+            finally:
+                cf.shrinking.set()
+                cf.shrinking = None
         cf.writes_inflight += 1
         try:
             st = await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
@@ -386,7 +381,7 @@ class WritePath:
         finally:
             cf.writes_inflight -= 1
             # Fills that read the old contents during the call may have been installed.
-            self._trim(cf, min(size, cf.size))
+            self._trim(cf, min(size, cf.size), cut_file=False)
         self._c.own_change(cf, st, size_exact=True)
         self._trim(cf, size)                   # the cache file as long as the file again
         return st

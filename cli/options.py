@@ -18,7 +18,7 @@ _O_NAMES = {
     "dirty_high": "dirty_high", "dirty_low": "dirty_low", "max_dirty_age": "max_dirty_age",
     "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
     "eviction": "eviction", "promote_all_below": "promote_all_below",
-    "eviction": "eviction", "max_pinned": "max_pinned", "stats_group": "stats_group",
+    "max_pinned": "max_pinned", "stats_group": "stats_group",
     "metrics": "metrics",
 }
 # mount(8) and systemd options that mean nothing to FUSE.
@@ -63,6 +63,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="log every FUSE request with its "
                    "result and duration (DEBUG lines `trace ...`; -o debug adds libfuse's "
                    "raw trace on stderr)")
+    p.add_argument("--check-invariants", action="store_true", help="after every change of "
+                   "the extent map, check the invariants of docs/concurrency.md (costs CPU; "
+                   "for tests and bug hunts: a violation stops the daemon with the reason)")
 
 
 def _number(value: str, what: str, kind=float) -> float:
@@ -124,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         foreground=bool(getattr(args, "foreground", False)),
         fuse_options=tuple(fuse),
         debug=bool(getattr(args, "debug", False)),
+        check_invariants=bool(getattr(args, "check_invariants", False)),
     )
     if "mode" in values:
         kw["mode"] = values["mode"]
@@ -184,4 +188,6 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv += ["-o", ",".join(cfg.fuse_options)]
     if cfg.debug:
         argv.append("--debug")
+    if cfg.check_invariants:
+        argv.append("--check-invariants")
     return argv + [cfg.backing, cfg.mountpoint]

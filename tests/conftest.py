@@ -18,6 +18,9 @@ CACHEFS = [sys.executable, "-m", "cachefs_cli.main"]
 CTL = [sys.executable, "-m", "cachefs_cli.ctl"]
 REPO = Path(__file__).resolve().parent.parent
 EXT_SIZE = 64 * 1024
+# Every test mount checks the extent map's invariants after each change (docs/concurrency.md;
+# a violation ends the daemon, and the test with it). CACHEFS_CHECK=0 turns that off.
+CHECK = [] if os.environ.get("CACHEFS_CHECK") == "0" else ["--check-invariants"]
 
 
 def fuse_unusable() -> str | None:
@@ -81,8 +84,9 @@ class Mount:
         self.logs.append(log)
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [*CACHEFS, "mount", "-f", "--cache-dir", str(self.cache), *self.args,
-                 str(self.backing), str(self.mnt)], stdout=f, stderr=subprocess.STDOUT)
+                [*CACHEFS, "mount", "-f", "--cache-dir", str(self.cache), *CHECK,
+                 *self.args, str(self.backing), str(self.mnt)], stdout=f,
+                stderr=subprocess.STDOUT)
         wait_until(lambda: is_mounted(self.mnt), 20, self.proc, "the mount")
         return self
 

@@ -111,6 +111,7 @@ class FakeState:
         self.files: dict[int, CachedFile] = {}
         self.stats = Stats()
         self.store = self                # queue_extent, queue_file: not recorded
+        self.map = self                  # the extent map's verbs it calls
         self.persisted: list[tuple] = []
         self.dropped: list[int] = []
 
@@ -124,8 +125,11 @@ class FakeState:
         self.dropped.append(cf.ino)
         cf.extents.clear()
 
-    def remove_extent(self, cf, x):
+    def remove(self, cf, x):
         del cf.extents[x.ext]
+
+    def invalidate(self, cf, x, mask):
+        x.valid &= ~(mask & ~x.dirty)
 
 
 def _st(ino, size, mtime_ns, ctime_ns):

@@ -1,0 +1,276 @@
+"""The one owner of extent state: which extents of which files are cached, and which of
+their 4 KiB blocks are valid and dirty.
+
+Owns `ExtentMap`, whose verbs are the only code that creates or forgets an `Extent` or
+changes its `valid`/`dirty` bits: add, fill, write, invalidate, clean, trim, remove, evict,
+drop_file. Each verb mirrors its change at once into the eviction pool, the dirty index,
+the store's next batch and the persister (data to fdatasync, space to release), so no
+caller can forget a mirror. Verbs are synchronous (atomic under trio) and do no I/O except
+in the checks. Policy (what to admit, what to evict, when to wait) is the callers'.
+
+The invariants (docs/concurrency.md) hold after every verb:
+  I1  dirty ⊆ valid.
+  I2  every extent of the map is in the pool, once.
+  I3  the dirty index holds exactly the extents with dirty blocks, with their block count,
+      and `CachedFile.dirty_exts` counts them per file.
+  I4  no extent of the map has its SSD space pending release or being released: the
+      persister punches holes only where the map has no extent, and `add` refuses a key
+      whose hole is being punched (a writer waits for `Persister.wait_punched` first).
+  I5  a valid block's bytes are in the cache file (never a hole).
+  I6  no dirty block lies past the file's logical size.
+I1 and I4 are checked on every verb (a violation raises `InvariantError`: losing data
+quietly is worse than stopping); all of them with `--check-invariants` (tests, bug hunts).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+from .config import EXT_SIZE
+from .dirty import DirtyIndex
+from .errors import InvariantError
+from .extents import BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask, runs
+from .persist import Persister
+from .store import MetadataStore
+
+
+def spans(off: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(ext, start, stop, mask) for each extent that byte range [off, end) touches: the
+    absolute byte range [start, stop) inside it and the mask of the blocks it touches."""
+    e = off >> EXT_SHIFT
+    while True:
+        base = e << EXT_SHIFT
+        s = off if off > base else base
+        t = end if end < base + EXT_SIZE else base + EXT_SIZE
+        if s >= t:
+            return
+        yield e, s, t, block_mask(s - base, t - base)
+        e += 1
+
+
+def holes(fd: int, size: int, e: int, valid: int) -> int:
+    """The blocks of `valid` (of extent `e`) whose bytes are not in the cache file `fd`
+    (`size` bytes long): a hole under them, or no byte of them before its end. (The last
+    block of a file may end past the cache file's end: its bytes past EOF read as zeros.)"""
+    base = e << EXT_SHIFT
+    mask = valid & ~block_mask(0, max(0, min(size - base, EXT_SIZE)))
+    for b0, b1 in runs(valid):
+        s, t = base + (b0 << BLK_SHIFT), min(base + (b1 << BLK_SHIFT), size)
+        while s < t:
+            hole = os.lseek(fd, s, os.SEEK_HOLE)
+            if hole >= t:
+                break
+            try:
+                data = os.lseek(fd, hole, os.SEEK_DATA)
+            except OSError:                 # ENXIO: a hole up to the end of the file
+                data = size
+            mask |= block_mask(hole - base, min(data, t) - base)
+            s = data
+    return mask & valid
+
+
+class ExtentMap:
+    def __init__(self, files: dict[int, CachedFile], pool, dirty: DirtyIndex,
+                 store: MetadataStore, persister: Persister, cache_path, check: bool = False):
+        self.files = files
+        self.pool = pool
+        self.dirty = dirty
+        self.store = store
+        self.persister = persister
+        self._cache_path = cache_path          # ino -> the cache file's path (checks only)
+        self.check_all = check
+
+    # -- verbs -------------------------------------------------------------------------------
+
+    def add(self, cf: CachedFile, e: int, valid: int = 0, dirty: int = 0,
+            main: bool = False) -> Extent:
+        """A new extent of `cf` (its bytes are in the cache file already, or about to be
+        written before the next await). `main`: known hot (loaded at mount, asked for)."""
+        key = (cf.ino, e)
+        if self.persister.punching(key):
+            raise InvariantError(f"extent {key} added while its hole is being punched")
+        x = cf.extents[e] = Extent(cf.ino, e, valid)
+        if main:
+            self.pool.insert_main(x)
+        else:
+            self.pool.insert(x)
+        self.persister.reused(key)
+        if dirty:
+            self.dirty.set(cf, x, dirty)
+        if len(cf.extents) == 1:
+            self.persist_identity(cf)
+        self._changed(cf, x)
+        return x
+
+    def fill(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        """Blocks `mask` now hold BACKING's bytes (a fill, a write-through update)."""
+        x.valid |= mask
+        self._changed(cf, x)
+
+    def write(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        """Blocks `mask` now hold a write-back write's bytes: valid and dirty, and rewritten
+        since the destager's snapshot."""
+        x.valid |= mask
+        x.redirty |= mask
+        self.dirty.set(cf, x, mask)
+        self._changed(cf, x)
+
+    def invalidate(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        """Clean blocks of `mask` no longer match BACKING (a write went around them, BACKING
+        changed); dirty blocks stay (they are the newest data)."""
+        x.valid &= ~(mask & ~x.dirty)
+        self._changed(cf, x)
+
+    def clean(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        """Blocks `mask` are durably in BACKING (a destage pass): no longer dirty."""
+        self.dirty.clear(cf, x, mask)
+        self._changed(cf, x)
+
+    def trim(self, cf: CachedFile, x: Extent, keep: int) -> None:
+        """Only blocks `keep` survive a truncation (dirty ones past it are gone too)."""
+        self.dirty.clear(cf, x, x.dirty & ~keep)
+        x.valid &= keep
+        self._changed(cf, x)
+
+    def remove(self, cf: CachedFile, x: Extent) -> None:
+        """Forget an extent, dirty blocks included (truncated, stale, unusable); its SSD
+        space is released after the next durable commit. A promotion of it in flight is
+        overtaken: its bytes were read before whatever made the extent go (a destage of
+        dirty blocks that a stale read of BACKING would bring back)."""
+        self.dirty.clear(cf, x, x.dirty)
+        self.pool.remove(x)
+        del cf.extents[x.ext]
+        cf.clobber(x.ext, x.ext)
+        self.store.queue_drop_extent(cf.ino, x.ext)
+        self.persister.evicted(x.key)
+
+    def evict(self, cf: CachedFile, x: Extent) -> None:
+        """Forget a clean extent to make room (the pool's victim, a drop)."""
+        if x.dirty:
+            raise InvariantError(f"dirty extent {x.key} chosen for eviction")
+        self.remove(cf, x)
+        if not cf.extents:
+            self.store.queue_drop_file(cf.ino)
+
+    def drop_file(self, cf: CachedFile) -> None:
+        """Forget every extent of a file, dirty ones included, and empty its cache file."""
+        for x in list(cf.extents.values()):
+            self.dirty.clear(cf, x, x.dirty)
+            self.pool.remove(x)
+        cf.extents.clear()
+        cf.clobber(0, 1 << 62)
+        self.store.queue_drop_file(cf.ino)
+
+    def persist_identity(self, cf: CachedFile) -> None:
+        """Queue the file's record (BACKING identity, path hint, logical size)."""
+        if cf.extents and cf.identity is not None:
+            _, size, mtime_ns, ctime_ns = cf.identity
+            self.store.queue_file(cf.ino, size, mtime_ns, ctime_ns, cf.path, cf.size)
+
+    def _changed(self, cf: CachedFile, x: Extent) -> None:
+        """Mirror an extent's new state and check the invariants it must keep."""
+        if x.dirty & ~x.valid:
+            raise InvariantError(f"extent {x.key}: dirty blocks {x.dirty:#x} not all valid "
+                                 f"({x.valid:#x})")
+        self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+        self.persister.written(cf.ino)
+        if self.check_all:
+            self.check_extent(cf, x)
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def check_extent(self, cf: CachedFile, x: Extent) -> None:
+        """Every invariant of one extent (I1-I6); raises InvariantError."""
+        key = x.key
+        problems = []
+        if cf.extents.get(x.ext) is not x:
+            problems.append("not in its file's map")
+        if x.dirty & ~x.valid:
+            problems.append(f"dirty {x.dirty:#x} not within valid {x.valid:#x}")
+        if x.queue is None:
+            problems.append("not in the eviction pool")
+        if bool(x.dirty) != (key in self.dirty):
+            problems.append(f"dirty {x.dirty:#x} but {'' if key in self.dirty else 'not '}"
+                            "in the dirty index")
+        if self.persister.releasing(key):
+            problems.append("its SSD space is pending release or being released")
+        base = x.ext << EXT_SHIFT
+        if x.dirty and x.dirty & ~block_mask(0, max(0, min(cf.size - base, EXT_SIZE))):
+            problems.append(f"dirty blocks past the logical size {cf.size}")
+        if x.valid and not problems:
+            hole = self._hole_in(cf, x)
+            if hole is not None:
+                problems.append(f"valid block at {hole} is a hole in the cache file")
+        if problems:
+            raise InvariantError(f"extent {key}: " + "; ".join(problems))
+
+    def _hole_in(self, cf: CachedFile, x: Extent) -> int | None:
+        """The offset of a hole under a valid block of `x`, or None."""
+        fd = cf.cache_fd
+        opened = fd < 0
+        if opened:
+            try:
+                fd = os.open(self._cache_path(cf.ino), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return x.ext << EXT_SHIFT
+        try:
+            mask = holes(fd, os.fstat(fd).st_size, x.ext, x.valid)
+        finally:
+            if opened:
+                os.close(fd)
+        if not mask:
+            return None
+        return (x.ext << EXT_SHIFT) + (runs(mask)[0][0] << BLK_SHIFT)
+
+    def repair_holes(self) -> tuple[int, int]:
+        """After an unclean stop: forget valid blocks whose bytes are not in the cache file
+        (a cache file cut or emptied before the commit that forgot its extents: a file
+        dropped as stale, unlinked or truncated; I5). Returns (extents, dirty blocks)
+        touched; dirty blocks lost that way are counted for the log."""
+        touched = dirty_lost = 0
+        for cf in self.files.values():
+            if not cf.extents:
+                continue
+            try:
+                fd = os.open(self._cache_path(cf.ino), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = -1                     # no cache file: no byte of any block
+            try:
+                size = os.fstat(fd).st_size if fd >= 0 else 0
+                for x in list(cf.extents.values()):
+                    mask = holes(fd, size, x.ext, x.valid)
+                    if not mask:
+                        continue
+                    touched += 1
+                    dirty_lost += bin(mask & x.dirty).count("1")
+                    if mask == x.valid:
+                        self.remove(cf, x)
+                    else:
+                        self.trim(cf, x, ~mask & FULL_MASK)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        return touched, dirty_lost
+
+    def check(self) -> int:
+        """Every invariant of the whole map and its mirrors; returns the extents checked."""
+        n = 0
+        blocks = 0
+        for cf in self.files.values():
+            dirty_exts = 0
+            for x in cf.extents.values():
+                self.check_extent(cf, x)
+                dirty_exts += bool(x.dirty)
+                blocks += bin(x.dirty).count("1")
+                n += 1
+            if dirty_exts != cf.dirty_exts:
+                raise InvariantError(f"inode {cf.ino}: {dirty_exts} dirty extents, counted "
+                                     f"{cf.dirty_exts}")
+        if n != len(self.pool):
+            raise InvariantError(f"the pool holds {len(self.pool)} extents, the map {n}")
+        if blocks != self.dirty.blocks or sum(1 for _ in self.dirty) != sum(
+                bool(x.dirty) for cf in self.files.values() for x in cf.extents.values()):
+            raise InvariantError(f"the dirty index counts {self.dirty.blocks} blocks in "
+                                 f"{len(self.dirty)} extents, the map {blocks} blocks")
+        return n
