@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-from tests.conftest import close_quietly, env_seed, flush_all
+from tests.conftest import close_quietly, env_long, env_seed, flush_all
 
 NAMES = [f"file{i}" for i in range(6)]
 MAX_SIZE = 600 * 1024
@@ -69,8 +69,9 @@ class Handle:
 
 
 class Model:
-    def __init__(self, root, rng, direct_ok: bool = True):
+    def __init__(self, root, rng, direct_ok: bool = True, max_size: int = MAX_SIZE):
         self.root = str(root)
+        self.max_size = max_size                # largest file (writes and truncates)
         self.rng = rng
         self.direct_ok = direct_ok
         self.files: dict[str, File] = {}       # the namespace
@@ -141,7 +142,7 @@ class Model:
     def op_create(self) -> None:
         rng = self.rng
         name = rng.choice(NAMES)
-        data = os.urandom(rng.randrange(0, MAX_SIZE))
+        data = os.urandom(rng.randrange(0, self.max_size))
         f = self.files.get(name)
         self.trace.append(("create", name, f.id if f else None, len(data)))
         with open(self.p(name), "wb") as fh:        # O_TRUNC: an existing file stays itself
@@ -186,7 +187,7 @@ class Model:
             written = os.write(h.fd, data)
             off = len(model)
         else:
-            off = rng.randrange(0, min(len(model) + 8192, MAX_SIZE))
+            off = rng.randrange(0, min(len(model) + 8192, self.max_size))
             if rng.random() < 0.5:
                 off &= ~4095
             self.trace.append(("write", h.name, h.f.id, off, size, h.acc))
@@ -197,7 +198,7 @@ class Model:
 
     def op_truncate(self) -> None:
         rng = self.rng
-        size = rng.randrange(0, MAX_SIZE)
+        size = rng.randrange(0, self.max_size)
         if rng.random() < 0.5 and self.files:
             name = rng.choice(sorted(self.files))
             f = self.files[name]
@@ -363,6 +364,39 @@ def test_random_operations_match_model(make_mount, mode, seed):
         flush_all(m)
     m.stop()
     model.check_all(m.backing)
+
+
+@pytest.mark.fuse
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [4])
+def test_random_operations_through_a_pool_much_smaller_than_the_data(make_mount, mode, seed):
+    """Issue 15: the model with files up to 4 MiB (up to 24 MiB of data) through a 1 MiB pool
+    and a 128 KiB dirty mark: eviction, hole punching, fills and destaging race every step.
+    CACHEFS_LONG=1 runs 3 seeds of 3,000 steps."""
+    m = make_mount("--mode", mode, "--cache-size", "1M", "--promote-after", "1",
+                   "--sequential-cutoff", "1M", "--dirty-high", "128K", "--dirty-low", "64K",
+                   "--max-dirty-age", "1")
+    seeds = [seed, seed + 1, seed + 2] if env_long() else [seed]
+    evictions = []
+
+    def checkpoint():
+        evictions.append(m.stats()["evictions"])
+        m.restart()
+
+    for s in seeds:
+        full = env_seed(0) * 1000 + s
+        model = Model(m.mnt, random.Random(full), max_size=4 << 20)
+        try:
+            run_model(model, 3000 if env_long() else 1500, checkpoint)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {full} ({mode}; replay: CACHEFS_SEED={full // 1000} "
+                                 f"and seed={s}): {exc}") from None
+        for name in list(model.files):
+            os.unlink(model.p(name))
+        model.files.clear()
+    assert sum(evictions) + m.stats()["evictions"] > 48, evictions    # the pool, 3 times over
+    if mode == "write-back":
+        flush_all(m)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
