@@ -66,6 +66,10 @@ COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
     ("destage_errors", "destage_errors", "Failed destage passes."),
     ("throttled_writes", "throttled_writes", "Writes delayed by flow control."),
     ("prefetched_bytes", "prefetched_bytes", "Bytes loaded by prefetch/pin."),
+    ("punch_waits", "punch_waits", "Write-back writes that waited for an evicted extent's "
+     "space to be released."),
+    ("overlay_rereads", "overlay_rereads", "Misses that read BACKING again: a dirty block "
+     "in their range was destaged and dropped during the read."),
 )
 GAUGES = (
     ("cache_used_bytes", "cache_used", "Bytes of the SSD cache in use."),
