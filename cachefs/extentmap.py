@@ -3,10 +3,11 @@ their 4 KiB blocks are valid and dirty.
 
 Owns `ExtentMap`, whose verbs are the only code that creates or forgets an `Extent` or
 changes its `valid`/`dirty` bits: add, fill, write, invalidate, clean, trim, remove, evict,
-drop_file. Each verb mirrors its change at once into the eviction pool, the dirty index,
-the store's next batch and the persister (data to fdatasync, space to release), so no
-caller can forget a mirror. Verbs are synchronous (atomic under trio) and do no I/O except
-in the checks. Policy (what to admit, what to evict, when to wait) is the callers'.
+drop_file (and restore, at mount). Each verb mirrors its change at once into the eviction
+pool, the dirty index, the store's next batch and the persister (data to fdatasync, space
+to release), so no caller can forget a mirror. Verbs are synchronous (atomic under trio) and do no I/O except
+in the checks. Policy (what to admit, what to evict, when to wait) is the callers'. (The
+destager's snapshot resets `Extent.redirty` in `writeback.plan_destage`: its bookkeeping.)
 
 The invariants (docs/concurrency.md) hold after every verb:
   I1  dirty ⊆ valid.
@@ -83,24 +84,28 @@ class ExtentMap:
 
     # -- verbs -------------------------------------------------------------------------------
 
-    def add(self, cf: CachedFile, e: int, valid: int = 0, dirty: int = 0,
-            main: bool = False) -> Extent:
+    def add(self, cf: CachedFile, e: int, valid: int = 0) -> Extent:
         """A new extent of `cf` (its bytes are in the cache file already, or about to be
-        written before the next await). `main`: known hot (loaded at mount, asked for)."""
+        written before the next await)."""
         key = (cf.ino, e)
         if self.persister.punching(key):
             raise InvariantError(f"extent {key} added while its hole is being punched")
         x = cf.extents[e] = Extent(cf.ino, e, valid)
-        if main:
-            self.pool.insert_main(x)
-        else:
-            self.pool.insert(x)
+        self.pool.insert(x)
         self.persister.reused(key)
-        if dirty:
-            self.dirty.set(cf, x, dirty)
         if len(cf.extents) == 1:
             self.persist_identity(cf)
         self._changed(cf, x)
+        return x
+
+    def restore(self, cf: CachedFile, e: int, valid: int, dirty: int) -> Extent:
+        """An extent loaded from the store at mount: in the pool (as hot data) and the dirty
+        index; the store has it already."""
+        x = cf.extents[e] = Extent(cf.ino, e, valid)
+        self.pool.insert_main(x)
+        self.persister.reused(x.key)
+        if dirty:
+            self.dirty.set(cf, x, dirty)
         return x
 
     def fill(self, cf: CachedFile, x: Extent, mask: int) -> None:

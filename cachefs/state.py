@@ -84,7 +84,7 @@ class CacheState:
                 self.persister.evicted((ino, ext))
                 over += 1
                 continue
-            self.map.add(cf, ext, valid, dirty, main=True)
+            self.map.restore(cf, ext, valid, dirty)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
