@@ -5,9 +5,10 @@ Owns `ExtentMap`, whose verbs are the only code that creates or forgets an `Exte
 changes its `valid`/`dirty` bits: add, fill, write, invalidate, clean, trim, remove, evict,
 drop_file (and restore, at mount). Each verb mirrors its change at once into the eviction
 pool, the dirty index, the store's next batch and the persister (data to fdatasync, space
-to release), so no caller can forget a mirror. Verbs are synchronous (atomic under trio) and do no I/O except
-in the checks. Policy (what to admit, what to evict, when to wait) is the callers'. (The
-destager's snapshot resets `Extent.redirty` in `writeback.plan_destage`: its bookkeeping.)
+to release), so no caller can forget a mirror. Verbs are synchronous (atomic under trio)
+and do no I/O except in the checks. Policy (what to admit, what to evict, when to wait) is
+the callers'. (The destager's snapshot resets `Extent.redirty` in `writeback.plan_destage`:
+its own bookkeeping.)
 
 The invariants (docs/concurrency.md) hold after every verb:
   I1  dirty ⊆ valid.
