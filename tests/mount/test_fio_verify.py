@@ -48,7 +48,7 @@ def fio(filename, size: int, rw: str, *, engine: str = "psync", depth: int = 1,
             f"--offset_increment={region}", f"--numjobs={jobs}", *bs.split(),
             f"--direct={int(direct)}", f"--ioengine={engine}", f"--iodepth={depth}",
             f"--rw={rw}", f"--randseed={seed}", "--verify=crc32c", "--verify_fatal=1",
-            "--group_reporting", "--output-format=terse"]
+            "--group_reporting", "--output-format=terse", "--verify_state_save=0"]
     if ios:
         args.append(f"--number_ios={ios // jobs}")
     if rw == "randrw":
