@@ -4,7 +4,8 @@
 PYTHON ?= python3
 export PIP_BREAK_SYSTEM_PACKAGES = 1
 export PIP_ROOT_USER_ACTION = ignore
-DEB_PACKAGES = fuse3 libfuse3-dev pkg-config fio gcc python3-dev python3-pip systemd
+DEB_PACKAGES = fuse3 libfuse3-dev pkg-config fio gcc python3-dev python3-pip python3-venv systemd \
+	dpkg-dev patch debian-archive-keyring
 
 .PHONY: install deps demo demo-stop test bench bench-quick
 
@@ -16,8 +17,13 @@ deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
+# The Python package, then FUSE passthrough (deps/passthrough: libfuse 3.17 in a private prefix and
+# pyfuse3 with the passthrough patch, replacing the stock pyfuse3). When that build cannot run
+# here, the stock pyfuse3 stays and cachefs runs without passthrough (it logs why).
 install: deps
 	$(PYTHON) -m pip install -q -e '.[test,bench]'
+	@bash deps/passthrough/build.sh --python "$$(command -v $(PYTHON))" \
+	  || echo "make: the FUSE passthrough build failed (above); cachefs will run without passthrough."
 	@scripts=$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))'); \
 	if [ -w /usr/sbin ] && [ -x "$$scripts/mount.cachefs" ]; then \
 	  ln -sf "$$scripts/mount.cachefs" /usr/sbin/mount.cachefs; fi

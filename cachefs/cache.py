@@ -26,6 +26,7 @@ from .state import UNLINKING, CacheState
 from .stats import Stats
 from .store import MetadataStore
 from .writeback import Destager, plan_destage
+from .openmode import OpenModes
 from .writepath import WritePath
 
 log = logging.getLogger("cachefs.cache")
@@ -45,6 +46,7 @@ class Cache:
         self.reads = ReadPath(state)
         self.destager = Destager(self, backing, cfg, stats)
         self.writes = WritePath(state, self.coherence, self.destager)
+        self.modes = OpenModes(state, self.writes, cfg)     # how opens are answered
         self.namespace = Namespace(backing)      # BACKING's namespace, for fs
         self.pins = None                 # the listener of unlinks and renames (name_listener)
         # the objects the parts share (never rebound)

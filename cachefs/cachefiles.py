@@ -53,6 +53,15 @@ class CacheFiles:
         else:
             os.truncate(self.path(cf.ino), size)
 
+    def detach(self, cf: CachedFile) -> None:
+        """Unlink the cache file instead of emptying it: whoever holds it open (the kernel,
+        for passthrough opens and their mappings) keeps its bytes; the file's next cached
+        data goes into a new cache file."""
+        if cf.cache_fd >= 0:
+            os.close(cf.cache_fd)
+            cf.cache_fd = -1
+        self.remove(cf.ino)
+
     def remove(self, ino: int) -> None:
         try:
             os.unlink(self.path(ino))

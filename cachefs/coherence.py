@@ -113,8 +113,10 @@ class Coherence:
                         os.fsdecode(cf.path or b"?"), cf.dirty_exts, clean)
         cf.clobber(0, 1 << 62)
         for x in list(cf.extents.values()):
-            if not x.dirty:
+            if not x.dirty and cf.held is None:
                 self._s.map.remove(cf, x)
+            elif not x.dirty:           # in passthrough: no hole under the kernel's reads
+                self._s.map.invalidate(cf, x, FULL_MASK)
             elif x.valid != x.dirty:
                 self._s.map.invalidate(cf, x, FULL_MASK)
 

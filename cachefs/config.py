@@ -72,6 +72,7 @@ class Config:
     commit_interval_s: float = 1.0
     debug: bool = False
     check_invariants: bool = False        # check the extent map after every change (tests)
+    passthrough: bool = True              # FUSE passthrough for fully cached read-only opens
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted
     max_pinned_pct: float = 50.0          # share of the pool `cachefs-ctl pin` may hold

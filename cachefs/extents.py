@@ -83,7 +83,7 @@ class CachedFile:
     __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
                  "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
-                 "shrinking")
+                 "shrinking", "held")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -105,6 +105,8 @@ class CachedFile:
         self.ctime_pending = False         # an own change moved BACKING's ctime, stat unknown
         self.recovered = False             # loaded after an unclean stop, not yet revalidated
         self.shrinking = None              # trio.Event while a write-back truncate commits
+        self.held = None                   # openmode.Held while the kernel may read the
+                                           # cache file itself (passthrough opens, mappings)
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""

@@ -67,9 +67,15 @@ class Operations(pyfuse3.Operations):
         self._attr = self._attrs.of
         self._next_fh = 1
         self._fds = Handles(cache.namespace)         # open handles and their BACKING fds
+        self._modes = cache.modes                   # how each open is answered
+        self.enable_passthrough = self._modes.wanted
         self._open = self._fds.open                 # fh -> OpenFile (the same dict: read())
         if cfg.debug:
             trace.wrap(self)        # --debug: one line per request (unwrapped otherwise)
+
+    def init(self):
+        self._modes.negotiated(bool(self.enable_passthrough
+                                    and getattr(pyfuse3, "passthrough_enabled", bool)()))
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -266,11 +272,6 @@ class Operations(pyfuse3.Operations):
 
     # -- files ---------------------------------------------------------------------------
 
-    def _file_info(self, of: OpenFile, keep_cache: bool) -> pyfuse3.FileInfo:
-        direct = bool(of.flags & getattr(os, "O_DIRECT", 0))
-        return pyfuse3.FileInfo(fh=of.fh, direct_io=direct, keep_cache=keep_cache and not direct,
-                                nonseekable=False)
-
     @_errno_mapped
     async def open(self, inode, flags, ctx):
         path = self._path(inode)
@@ -278,7 +279,7 @@ class Operations(pyfuse3.Operations):
         fh = self._fh()
         of, keep = await self._cache.open(fh, inode, path, flags)
         self._fds.add(of)
-        return self._file_info(of, keep)
+        return self._modes.answer(of, keep)
 
     @_errno_mapped
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -291,7 +292,7 @@ class Operations(pyfuse3.Operations):
                                           lambda st: self._inodes.remember(parent_inode,
                                                                            name, st))
         self._fds.add(of)
-        return self._file_info(of, True), self._attr(st, of.ino)
+        return self._modes.answer(of, True), self._attr(st, of.ino)
 
     async def read(self, fh, off, size):
         of = self._open[fh]
@@ -321,6 +322,7 @@ class Operations(pyfuse3.Operations):
 
     async def release(self, fh):
         of = self._fds.remove(fh)
+        self._modes.release(of)
         self._fds.close_later(self._cache.release(of))
 
     @_errno_mapped

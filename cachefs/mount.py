@@ -34,6 +34,7 @@ from .health import BackingHealth
 from .history import MAX_WINDOW_S, History
 from .inodes import InodeTable
 from .metrics import MetricsServer, bind
+from .openmode import fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
                         prepare_cache_dir, raise_fd_limit)
 from .stats import Stats
@@ -154,7 +155,8 @@ class Daemon:
         return {
             "backing": self.cfg.backing, "mountpoint": self.cfg.mountpoint,
             "cache_dir": self.cfg.cache_dir, "mode": self.cfg.mode, "pid": os.getpid(),
-            **self.cache.status(), **self.warm.status(), **self.stats.snapshot(),
+            **self.cache.status(), **self.warm.status(), **self.cache.modes.status(),
+            **self.stats.snapshot(),
             "dirty_high": d.high, "dirty_low": d.low, "throttling": d.throttling(),
             "destage_rate": round(d.rate), "eta_s": None if eta is None else round(eta, 1),
             "throttle_delay_s": round(self.stats.throttle_delay_ns / 1e9, 3),
@@ -227,6 +229,7 @@ class Daemon:
                 if self.metrics is not None:
                     await nursery.start(self.metrics.run)
                 await nursery.start(self.history.run)
+                await nursery.start(self.cache.modes.run)
                 nursery.start_soon(self._watch_backing)
                 if self.cfg.check_invariants:
                     nursery.start_soon(self._check_invariants)
@@ -240,6 +243,7 @@ class Daemon:
                                     "says why above (an unknown -o option, a busy or "
                                     "unusable mountpoint).") from None
                 mounted = True
+                self.cache.modes.mounted(fuse_device(real_mountpoint))
                 if raise_max_background(real_mountpoint):
                     log.info("FUSE max_background raised to %d", MAX_BACKGROUND)
                 nursery.start_soon(self._signals)

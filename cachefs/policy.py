@@ -69,19 +69,32 @@ class SequentialDetector:
         return self.run
 
 
+def protect(protected: dict[int, int], ino: int) -> None:
+    """One more holder of inode `ino` (pins, prefetches, passthrough opens: each counts)."""
+    protected[ino] = protected.get(ino, 0) + 1
+
+
+def unprotect(protected: dict[int, int], ino: int) -> None:
+    n = protected.get(ino, 0) - 1
+    if n > 0:
+        protected[ino] = n
+    else:
+        protected.pop(ino, None)
+
+
 class S3Fifo:
     def __init__(self, capacity_exts: int):
         self.capacity = capacity_exts
         self._small: OrderedDict[tuple[int, int], Extent] = OrderedDict()
         self._main: OrderedDict[tuple[int, int], Extent] = OrderedDict()
         self._ghost: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self.protected: set[int] = set()       # inodes whose extents are never chosen
+        self.protected: dict[int, int] = {}    # inodes whose extents are never chosen
 
     def protect(self, ino: int) -> None:
-        self.protected.add(ino)
+        protect(self.protected, ino)
 
     def unprotect(self, ino: int) -> None:
-        self.protected.discard(ino)
+        unprotect(self.protected, ino)
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
@@ -153,13 +166,13 @@ class Clock:
     def __init__(self, capacity_exts: int):
         self.capacity = capacity_exts
         self._q: OrderedDict[tuple[int, int], Extent] = OrderedDict()
-        self.protected: set[int] = set()       # inodes whose extents are never chosen
+        self.protected: dict[int, int] = {}    # inodes whose extents are never chosen
 
     def protect(self, ino: int) -> None:
-        self.protected.add(ino)
+        protect(self.protected, ino)
 
     def unprotect(self, ino: int) -> None:
-        self.protected.discard(ino)
+        unprotect(self.protected, ino)
 
     def __len__(self) -> int:
         return len(self._q)

@@ -141,6 +141,18 @@ class CacheState:
         self.map.drop_file(cf)
         self.admission.forget_file(cf.ino)
         self.store.queue_meta(UNLINKING + str(cf.ino), None)
+        if cf.held is not None and cf.held.current:
+            # The kernel reads this cache file by itself (passthrough opens, mappings):
+            # unlink it rather than empty it; they keep their bytes, no zeros appear.
+            cf.held.current = False
+            self.stats.passthrough_detached += 1
+            log.info("inode %d: cache file detached, not emptied (passthrough opens or "
+                     "mappings still read it)", cf.ino)
+            try:
+                self.cachefiles.detach(cf)
+            except OSError:
+                pass
+            return
         # Safe before the commit: the stored identity no longer matches BACKING.
         try:
             self.cachefiles.truncate(cf, 0)
@@ -311,9 +323,12 @@ class CacheState:
         """Evict every clean extent not protected (pinned or being prefetched; cachefs-ctl
         drop); returns how many."""
         n = 0
+        held = 0
         protected = self.pool.protected
         for cf in list(self.files.values()):
             if cf.ino in protected:
+                if cf.held is not None:
+                    held += len(cf.extents)
                 continue
             cf.clobber(0, 1 << 62)
             for x in list(cf.extents.values()):
@@ -321,7 +336,10 @@ class CacheState:
                     self.evict(cf, x)
                     n += 1
         self.stats.drop_operator += n
-        log.info("dropped %d clean cached extents (reason: operator, cachefs-ctl drop)", n)
+        self.stats.drop_skipped_passthrough += held
+        log.info("dropped %d clean cached extents (reason: operator, cachefs-ctl drop)%s", n,
+                 f"; kept {held} extents of files in passthrough (the kernel reads them)"
+                 if held else "")
         return n
 
     def install_wanted(self, cf: CachedFile, e: int, chunk: bytes) -> bool:

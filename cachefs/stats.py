@@ -41,6 +41,15 @@ COUNTERS = (
     "pin_reloads",                         # pinned files re-loaded after their data was dropped
     "pins_lost",                           # pins removed because the file was unlinked or gone
     "dropped_pinned",                      # pinned extents dropped by cachefs-ctl drop --pinned
+    # FUSE passthrough (openmode.py)
+    "passthrough_opens",                   # opens the kernel serves from the cache file
+    "passthrough_joined",                  # opens of a file in passthrough, answered with
+                                           # passthrough + direct I/O (reads/writes reach us)
+    "passthrough_failed",                  # the kernel refused a cache file as backing file
+    "passthrough_detached",                # held cache files unlinked rather than emptied
+    "passthrough_syncs",                   # held files a shared mapping may have written:
+                                           # made dirty (write-back) or copied to BACKING
+    "drop_skipped_passthrough",            # extents cachefs-ctl drop left: held by passthrough
 )
 DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error")
 

@@ -59,6 +59,9 @@ class Pin:
     retry_s: float = 0.0        # monotonic time before which the keeper leaves it alone
 
 
+COMPLETE_QUEUE = 64         # files waiting to be completed in the background
+
+
 class Warm:
     """Prefetch, pins and the keeper of one mount."""
 
@@ -73,6 +76,10 @@ class Warm:
         self.pins: dict[int, Pin] = {}
         self._busy: dict[int, int] = {}          # ino -> loads in progress
         self._loader = Loader(cache, backing, stats, self._show)
+        # files to complete in the background (openmode: the next open can go passthrough)
+        self._complete_send, self._complete_recv = trio.open_memory_channel(COMPLETE_QUEUE)
+        self._completing: set[int] = set()
+        cache.modes.completer = self.complete
 
     # -- state ---------------------------------------------------------------------------
 
@@ -86,8 +93,10 @@ class Warm:
                      format_size(self.pinned_size()))
 
     def _hold(self, ino: int) -> None:
+        # The pool counts holders: warm holds an inode once, pinned or busy or both.
+        if ino not in self._busy and ino not in self.pins:
+            self.cache.pool.protect(ino)
         self._busy[ino] = self._busy.get(ino, 0) + 1
-        self.cache.pool.protect(ino)
 
     def _release(self, ino: int) -> None:
         n = self._busy[ino] - 1
@@ -237,7 +246,8 @@ class Warm:
                 "--max-pinned or --cache-size.")
         for t in new:
             self.pins[t.ino] = Pin(t.ino, t.rel, t.size)
-            self.cache.pool.protect(t.ino)
+            if t.ino not in self._busy:
+                self.cache.pool.protect(t.ino)
         self.store.set_pins([(t.ino, t.rel, t.size) for t in new])
         if new:
             log.info("pinned %s (%s): %s", _files(len(new)), format_size(need),
@@ -330,7 +340,34 @@ class Warm:
 
     # -- the keeper --------------------------------------------------------------------------
 
+    def complete(self, ino: int, path: bytes, size: int) -> None:
+        """Load the missing extents of a mostly cached file in the background (a read-only
+        open found it not fully cached: the next one can then go passthrough)."""
+        if ino in self._completing:
+            return
+        try:
+            self._complete_send.send_nowait(Target(path, path, ino, size))
+        except trio.WouldBlock:
+            return
+        self._completing.add(ino)
+
+    async def _completer(self) -> None:
+        async for t in self._complete_recv:
+            try:
+                job = await self._load([t], None)
+                log.debug("inode %d completed in the background: %d bytes loaded%s", t.ino,
+                          job.loaded, f" ({job.errors[0]})" if job.errors else "")
+            finally:
+                self._completing.discard(t.ino)
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The keeper (_keep) and the background completion of files (_completer)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._completer)
+            await nursery.start(self._keep)
+            task_status.started()
+
+    async def _keep(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Verify the pins once (after a remount: still the same files, data resident),
         then re-load pinned data whenever some is missing (dropped for coherence) - in the
         background, within KEEP_INTERVAL_S of the drop being noticed."""

@@ -63,6 +63,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="log every FUSE request with its "
                    "result and duration (DEBUG lines `trace ...`; -o debug adds libfuse's "
                    "raw trace on stderr)")
+    p.add_argument("--no-passthrough", dest="passthrough", action="store_false",
+                   help="never answer an open with FUSE passthrough (by default a read-only "
+                   "open of a fully cached file is served by the kernel from the cache file "
+                   "when the kernel, libfuse and privileges allow it; -o no_passthrough)")
     p.add_argument("--check-invariants", action="store_true", help="after every change of "
                    "the extent map, check the invariants of docs/concurrency.md (costs CPU; "
                    "for tests and bug hunts: a violation stops the daemon with the reason)")
@@ -116,6 +120,8 @@ def _gather(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
 def config_from_args(args: argparse.Namespace) -> Config:
     """Merge flags and -o options into a Config; raises UserError on a bad value."""
     values, fuse = _gather(args)
+    no_passthrough = "no_passthrough" in fuse
+    fuse = [o for o in fuse if o != "no_passthrough"]
     for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
         if not path.strip():
             raise UserError(f"{what} is empty; give a directory.")
@@ -128,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         fuse_options=tuple(fuse),
         debug=bool(getattr(args, "debug", False)),
         check_invariants=bool(getattr(args, "check_invariants", False)),
+        passthrough=bool(getattr(args, "passthrough", True)) and not no_passthrough,
     )
     if "mode" in values:
         kw["mode"] = values["mode"]
@@ -190,4 +197,6 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv.append("--debug")
     if cfg.check_invariants:
         argv.append("--check-invariants")
+    if not cfg.passthrough:
+        argv.append("--no-passthrough")
     return argv + [cfg.backing, cfg.mountpoint]

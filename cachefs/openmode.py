@@ -1,0 +1,373 @@
+"""How each open is answered, and what an open served by FUSE passthrough holds.
+
+Owns `OpenModes` (the one place that chooses an open's mode) and `Held` (per inode whose
+cache file the kernel may read by itself). The open path passes through `answer` once,
+and the release path through `release`; nothing else decides a mode.
+
+The kernel's rules (Linux >= 6.9, measured on 6.18; docs/architecture.md "FUSE
+passthrough"):
+- while an inode has a passthrough open, any other open of it must be a passthrough open
+  with the same backing id, or open(2) fails with EIO; while it has a page-cache open, a
+  passthrough open fails with EIO;
+- a passthrough open with direct_io sends its reads and writes to the daemon, but its mmap
+  maps the backing file;
+- a mapping outlives its open: after the release, it still reads (and, if shared and
+  writable, writes) the backing file.
+
+The modes, in the order they are chosen:
+- PASSTHROUGH: an O_RDONLY open of a file whose every block is valid in the cache (clean,
+  or dirty in write-back: the cache file then holds the newest bytes), when the inode has
+  no open but passthrough ones on the same cache file. The kernel reads the cache file;
+  no read reaches cachefs.
+- JOINED (passthrough + direct_io): any other open of an inode that has passthrough opens
+  (writers, a file no longer fully valid, a cache file replaced). Its reads and writes
+  reach cachefs, so no open ever fails and no write(2) bypasses the engine.
+- CACHED / DIRECT: as without passthrough (the page cache, keep_cache when unchanged;
+  direct_io for O_DIRECT).
+
+What a held file gets (the kernel may read its cache file: passthrough opens, or mappings
+that outlive them), from the engine:
+- its extents are protected: eviction and `drop` skip them (drop says so);
+- every write reaches the cache file at once, in BACKING's order (writepath: `held`);
+- data that must go (an outside change, an unlinked file, an SSD error) is detached (the
+  cache file unlinked, its bytes left to whoever holds it) rather than punched or cut;
+- an O_RDWR open with the cache file as backing file could write it through a shared
+  mapping: the file's cached blocks are then treated as written (write-back: dirty at the
+  open and at the end; write-through: copied to BACKING at the end).
+A file stays held until its last passthrough open is released and no process maps it
+(/proc/*/maps, checked every HOLD_CHECK_S).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from . import mounttable
+from .config import EXT_SIZE
+from .extents import CachedFile
+from .hit import OpenFile
+from .state import CacheState
+
+log = logging.getLogger("cachefs.openmode")
+
+PASSTHROUGH, JOINED, CACHED, DIRECT = "passthrough", "joined", "cached", "direct"
+COMPLETE_MAX_BYTES = 256 << 20  # a file missing more is not completed in the background
+HOLD_CHECK_S = 1.0              # how often held files without opens are looked at
+FUSE_SUPER_MAGIC, OVERLAYFS_SUPER_MAGIC = 0x65735546, 0x794C7630
+CAP_SYS_ADMIN = 21
+
+
+@dataclass(eq=False)
+class Held:
+    """An inode whose cache file the kernel may read (and, through a shared writable
+    mapping of an O_RDWR open, write) without asking cachefs."""
+    cf: CachedFile
+    backing_id: int = 0         # registered with the kernel while passthrough opens exist
+    opens: int = 0              # handles answered PASSTHROUGH or JOINED
+    current: bool = True        # the registered file is still the file's cache file
+    mapped_writable: bool = False   # an O_RDWR open had it as backing file
+    generation: int = 0         # bumped at every open: a check that began before is void
+
+
+def unavailable_reason(cfg, has_cap=None) -> str | None:
+    """Why passthrough cannot be used by this mount (before mounting), or None."""
+    if not cfg.passthrough:
+        return "turned off (--no-passthrough)"
+    if not hasattr(pyfuse3, "passthrough_open"):
+        return ("pyfuse3 lacks the passthrough patch (make install, or "
+                "deps/passthrough/build.sh, installs it)")
+    if not (has_cap if has_cap is not None else _has_cap_sys_admin()):
+        return "the daemon lacks CAP_SYS_ADMIN, which the kernel requires for it"
+    try:
+        f_type = _statfs_type(cfg.cache_dir)
+    except OSError as exc:
+        return f"cannot statfs the cache directory ({exc.strerror})"
+    if f_type in (FUSE_SUPER_MAGIC, OVERLAYFS_SUPER_MAGIC):
+        return "the cache directory is on a FUSE or overlay file system"
+    return None
+
+
+class OpenModes:
+    def __init__(self, state: CacheState, writes, cfg):
+        self._s = state
+        self._writes = writes
+        self.stats = state.stats
+        self.reason = unavailable_reason(cfg)     # why passthrough is off; None: wanted
+        self.enabled = False                      # negotiated with the kernel (init)
+        self.held: dict[int, Held] = {}
+        self._plain: dict[int, int] = {}          # ino -> handles answered CACHED/DIRECT
+        self._page_cache_stale: set[int] = set()  # written while in passthrough
+        self._fuse_dev: tuple[int, int] | None = None
+        self._wake = trio.Event()
+        self._debug = log.isEnabledFor(logging.DEBUG)
+        self.completer = None       # (ino, path, size): load a file's missing extents (warm)
+
+    @property
+    def wanted(self) -> bool:
+        return self.reason is None
+
+    def negotiated(self, enabled: bool) -> None:
+        """The kernel's answer at FUSE init; logs the one line that says how it went."""
+        self.enabled = self.wanted and enabled
+        if self.enabled:
+            log.info("FUSE passthrough: on (read-only opens of fully cached files are served "
+                     "by the kernel from the cache files)")
+            return
+        if self.wanted:
+            self.reason = ("the kernel or libfuse did not grant the capability (Linux >= 6.9 "
+                           "with FUSE passthrough and libfuse >= 3.17.1 are needed)")
+        log.info("FUSE passthrough: off: %s", self.reason)
+
+    def mounted(self, fuse_dev: tuple[int, int] | None) -> None:
+        """The mount's device (major, minor), as /proc/*/maps shows its files."""
+        self._fuse_dev = fuse_dev
+
+    # -- the open path -----------------------------------------------------------------------
+
+    def answer(self, of: OpenFile, keep_cache: bool) -> pyfuse3.FileInfo:
+        """Choose how the kernel serves the open `of` (registered already) and say so."""
+        cf = of.cfile
+        h = cf.held
+        readonly = of.flags & os.O_ACCMODE == os.O_RDONLY
+        why = ""
+        if self.enabled:
+            if h is not None and h.backing_id:
+                if readonly and h.current and self._eligible(cf):
+                    return self._passthrough(of, h, PASSTHROUGH, "the file's passthrough opens")
+                return self._passthrough(of, h, JOINED,
+                                         "writable" if not readonly else "not fully cached")
+            if not readonly:
+                why = "writable"
+            elif self._plain.get(of.ino):
+                why = "other opens use the page cache"
+            elif not self._eligible(cf):
+                why = "not fully cached"
+                self._complete(cf)
+            else:
+                bid = self._register(cf)
+                if bid:
+                    if h is None:
+                        h = cf.held = self.held[of.ino] = Held(cf)
+                        self._s.pool.protect(of.ino)
+                    elif not h.current:         # mappings of a detached file may remain:
+                        h.current = True        # they keep it; this is the new one
+                        h.mapped_writable = False
+                    h.backing_id = bid
+                    return self._passthrough(of, h, PASSTHROUGH, "fully cached, read-only")
+                why = "the kernel refused the cache file"
+        direct = bool(of.flags & getattr(os, "O_DIRECT", 0))
+        of.mode = DIRECT if direct else CACHED
+        self._plain[of.ino] = self._plain.get(of.ino, 0) + 1
+        if of.ino in self._page_cache_stale:
+            self._page_cache_stale.discard(of.ino)
+            keep_cache = False
+        if self._debug:
+            log.debug("open ino %d fh %d: %s%s", of.ino, of.fh, of.mode,
+                      f" ({why})" if why else "")
+        return pyfuse3.FileInfo(fh=of.fh, direct_io=direct, keep_cache=keep_cache and not direct,
+                                nonseekable=False)
+
+    def _eligible(self, cf: CachedFile) -> bool:
+        """Every block of the file valid, its cache file as long as the file, nothing in
+        the way (a shrinking truncate committing, a file unlinked and replaced)."""
+        if cf.size <= 0 or cf.doomed or cf.shrinking is not None or \
+                len(cf.extents) < (cf.size + EXT_SIZE - 1) // EXT_SIZE:
+            return False
+        if not cf.covers(0, cf.size):
+            return False
+        try:
+            fd = self._s.cachefiles.fd(cf)
+            size = os.fstat(fd).st_size
+            if size != cf.size:
+                # The kernel reads the cache file to its end: make it as long as the file
+                # (past EOF it holds zeros, and the last block may be padded with them).
+                os.ftruncate(fd, cf.size)
+        except OSError:
+            return False
+        return True
+
+    def _complete(self, cf: CachedFile) -> None:
+        """A read-only open of a mostly cached file: load the rest in the background, so
+        the next open can go passthrough (at least half of it cached, at most
+        COMPLETE_MAX_BYTES missing: an open alone never pulls a whole cold file in)."""
+        need = (cf.size + EXT_SIZE - 1) // EXT_SIZE
+        have = len(cf.extents)
+        if self.completer is None or cf.path is None or cf.doomed or not have or \
+                2 * have < need or (need - have) * EXT_SIZE > COMPLETE_MAX_BYTES:
+            return
+        self.completer(cf.ino, cf.path, cf.size)
+
+    def _register(self, cf: CachedFile) -> int:
+        try:
+            return pyfuse3.passthrough_open(cf.cache_fd)
+        except OSError as exc:
+            self.stats.passthrough_failed += 1
+            log.info("passthrough refused for inode %d (%s); using the cached path",
+                     cf.ino, exc.strerror or exc)
+            return 0
+
+    def _close_id(self, bid: int) -> None:
+        try:
+            pyfuse3.passthrough_close(bid)
+        except OSError as exc:
+            log.warning("releasing a passthrough backing file failed: %s", exc)
+
+    def _passthrough(self, of: OpenFile, h: Held, mode: str, why: str) -> pyfuse3.FileInfo:
+        of.mode = mode
+        h.opens += 1
+        h.generation += 1
+        if mode == PASSTHROUGH:
+            self.stats.passthrough_opens += 1
+        else:
+            self.stats.passthrough_joined += 1
+            if of.flags & os.O_ACCMODE != os.O_RDONLY:
+                self._page_cache_stale.add(of.ino)
+                if of.flags & os.O_ACCMODE == os.O_RDWR and not h.mapped_writable and \
+                        h.current:
+                    h.mapped_writable = True
+                    self._writes.dirty_all(of, "an O_RDWR open of a file in passthrough")
+        if self._debug:
+            log.debug("open ino %d fh %d: %s, backing id %d (%s)", of.ino, of.fh, mode,
+                      h.backing_id, why)
+        return pyfuse3.FileInfo(fh=of.fh, direct_io=mode == JOINED, keep_cache=False,
+                                nonseekable=False, backing_id=h.backing_id)
+
+    def release(self, of: OpenFile) -> None:
+        """A handle is released (in the release handler: the backing id can be closed)."""
+        if of.mode in (PASSTHROUGH, JOINED):
+            h = of.cfile.held
+            h.opens -= 1
+            if h.opens == 0:
+                self._close_id(h.backing_id)
+                h.backing_id = 0
+                self._wake.set()
+        elif of.mode:
+            n = self._plain[of.ino] - 1
+            if n:
+                self._plain[of.ino] = n
+            else:
+                del self._plain[of.ino]
+
+    # -- letting go ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Let go of held files whose passthrough opens are gone and that no process maps."""
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while any(h.opens == 0 for h in self.held.values()):
+                await trio.sleep(HOLD_CHECK_S)
+                idle = {ino: h.generation for ino, h in self.held.items() if h.opens == 0}
+                if not idle:
+                    break
+                mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev,
+                                                       set(idle))
+                for ino, gen in idle.items():
+                    h = self.held.get(ino)
+                    if h is None or h.opens or h.generation != gen or ino in mapped:
+                        continue
+                    await self._let_go(h)
+
+    async def _let_go(self, h: Held) -> None:
+        cf = h.cf
+        if h.mapped_writable and h.current and self._s.files.get(cf.ino) is cf \
+                and not cf.doomed:
+            h.mapped_writable = False
+            await self._writes.sync_back(cf)
+            if h.opens:
+                return                  # opened again meanwhile: still held
+        if self.held.get(cf.ino) is h and not h.opens:
+            del self.held[cf.ino]
+            cf.held = None
+            self._s.pool.unprotect(cf.ino)
+            self._s.cachefiles.close_idle(cf)
+            if self._debug:
+                log.debug("inode %d: no passthrough open or mapping left; not held", cf.ino)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        held_exts = sum(len(h.cf.extents) for h in self.held.values() if h.current)
+        return {
+            "passthrough": "on" if self.enabled else "off",
+            "passthrough_off_reason": None if self.enabled else self.reason,
+            "passthrough_open_files": sum(1 for h in self.held.values() if h.opens),
+            "passthrough_open_handles": sum(h.opens for h in self.held.values()),
+            "passthrough_held_files": len(self.held),
+            "passthrough_held_bytes": held_exts * EXT_SIZE,
+        }
+
+
+def mapped_inodes(fuse_dev: tuple[int, int] | None, inos: set[int]) -> set[int]:
+    """Which of `inos` (files of the mount `fuse_dev`) some process maps (runs in a thread).
+    /proc/PID/maps names a mapping of a passthrough open by the FUSE file's device and inode
+    (the user-visible file, not the backing file). Unknown device: all of them."""
+    if fuse_dev is None:
+        return set(inos)
+    found: set[int] = set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return set(inos)
+    want_dev = "%02x:%02x" % fuse_dev
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                data = f.read()
+        except OSError:                  # gone, or not ours to read
+            continue
+        if want_dev.encode() not in data:
+            continue
+        for line in data.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) >= 5 and fields[3].decode() == want_dev:
+                ino = int(fields[4])
+                if ino in inos:
+                    found.add(ino)
+    return found
+
+
+def _has_cap_sys_admin() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
+def _statfs_type(path: str) -> int:
+    import ctypes
+    from .libc import libc
+
+    class StatFs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+    buf = StatFs()
+    if libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return buf.f_type
+
+
+def fuse_device(real_mountpoint: str) -> tuple[int, int] | None:
+    """(major, minor) of the mount on `real_mountpoint`, from /proc/self/mountinfo."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and mounttable.unescape(fields[4]) == real_mountpoint:
+                    major, minor = fields[2].split(":")
+                    return int(major), int(minor)
+    except (OSError, ValueError):
+        pass
+    return None
+
