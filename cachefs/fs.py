@@ -25,7 +25,6 @@ from .attrs import Attributes
 from .cache import Cache
 from .config import Config
 from .handles import Handles
-from .hit import OpenFile
 from .inodes import ROOT_INODE, InodeTable
 
 log = logging.getLogger("cachefs.fs")

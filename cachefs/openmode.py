@@ -40,6 +40,7 @@ A file stays held until its last passthrough open is released and no process map
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -82,7 +83,8 @@ def unavailable_reason(cfg, has_cap=None) -> str | None:
         return ("pyfuse3 lacks the passthrough patch (make install, or "
                 "deps/passthrough/build.sh, installs it)")
     if not (has_cap if has_cap is not None else _has_cap_sys_admin()):
-        return "the daemon lacks CAP_SYS_ADMIN, which the kernel requires for it"
+        return ("the daemon lacks CAP_SYS_ADMIN (in the initial user namespace), which the "
+                "kernel requires for it")
     try:
         f_type = _statfs_type(cfg.cache_dir)
     except OSError as exc:
@@ -207,8 +209,16 @@ class OpenModes:
             return pyfuse3.passthrough_open(cf.cache_fd)
         except OSError as exc:
             self.stats.passthrough_failed += 1
-            log.info("passthrough refused for inode %d (%s); using the cached path",
-                     cf.ino, exc.strerror or exc)
+            if exc.errno == errno.EPERM:
+                # The kernel wants CAP_SYS_ADMIN in the initial user namespace; every later
+                # open would be refused the same way: off for this mount, said once.
+                self.enabled = False
+                self.reason = ("the kernel refused a backing file (EPERM): the daemon lacks "
+                               "CAP_SYS_ADMIN in the initial user namespace")
+                log.info("FUSE passthrough: off: %s", self.reason)
+            else:
+                log.info("passthrough refused for inode %d (%s); using the cached path",
+                         cf.ino, exc.strerror or exc)
             return 0
 
     def _close_id(self, bid: int) -> None:
@@ -334,7 +344,12 @@ def mapped_inodes(fuse_dev: tuple[int, int] | None, inos: set[int]) -> set[int]:
 
 
 def _has_cap_sys_admin() -> bool:
+    """CAP_SYS_ADMIN in the initial user namespace, as the kernel's passthrough wants it: a
+    capability inside a user namespace (a rootless container, `unshare -U`) is not enough."""
     try:
+        with open("/proc/self/uid_map") as f:
+            if f.read().split() != ["0", "0", "4294967295"]:
+                return False            # not the initial user namespace
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("CapEff:"):

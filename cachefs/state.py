@@ -195,7 +195,9 @@ class CacheState:
         """Write one extent read from BACKING into the cache, unless it was overtaken."""
         clobbered = cf.fills.pop(e, True)
         key = (cf.ino, e)
-        if (clobbered or not chunk or self.files.get(cf.ino) is not cf
+        if not chunk:                   # past BACKING's end (read ahead of a stream's end)
+            return False
+        if (clobbered or self.files.get(cf.ino) is not cf
                 or self.persister.punching(key) or self.ssd_full()):
             self.stats.promotions_dropped += 1
             return False
@@ -209,7 +211,10 @@ class CacheState:
         if len(chunk) & (BLK_SIZE - 1):
             # BACKING ended inside this block: the rest of it is zeros, in the cache file too
             # (it may still hold bytes of an evicted extent whose hole is not punched yet).
-            chunk = bytes(chunk) + bytes(BLK_SIZE - (len(chunk) & (BLK_SIZE - 1)))
+            padded = len(chunk) + BLK_SIZE - (len(chunk) & (BLK_SIZE - 1))
+            if cf.held is not None:     # the kernel reads a held cache file to its end:
+                padded = max(len(chunk), min(padded, cf.size - base))   # never past the file's
+            chunk = bytes(chunk) + bytes(padded - len(chunk))
         try:
             fd = self.cachefiles.fd(cf)
             if fill == valid:

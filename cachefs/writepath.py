@@ -243,6 +243,8 @@ class WritePath:
                 self.persister.journal_dirtying(x.key)      # before clean data changes
         fd = self.cachefiles.fd(cf)
         head, tail = self._zero_pads(cf, off, end)
+        if cf.held is not None:      # the kernel reads a held cache file to its end
+            tail = max(0, min(tail, cf.size - end))
         if head:
             pwrite_all(fd, bytes(head), off - head)
         if tail:

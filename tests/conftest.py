@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import random
 import subprocess
@@ -21,6 +22,27 @@ EXT_SIZE = 64 * 1024
 # Every test mount checks the extent map's invariants after each change (docs/concurrency.md;
 # a violation ends the daemon, and the test with it). CACHEFS_CHECK=0 turns that off.
 CHECK = [] if os.environ.get("CACHEFS_CHECK") == "0" else ["--check-invariants"]
+# FUSE passthrough is on by default (as for users). Tests marked no_passthrough (they count
+# the daemon's own hits, which passthrough reads bypass) mount with --no-passthrough, and
+# CACHEFS_PASSTHROUGH=0 turns it off for every test.
+_NO_PASSTHROUGH = {"on": os.environ.get("CACHEFS_PASSTHROUGH") == "0"}
+
+
+@pytest.fixture(autouse=True)
+def _passthrough_marker(request):
+    saved = _NO_PASSTHROUGH["on"]
+    if request.node.get_closest_marker("no_passthrough") is not None:
+        _NO_PASSTHROUGH["on"] = True
+    try:
+        yield
+    finally:
+        _NO_PASSTHROUGH["on"] = saved
+
+
+def passthrough_args(args: list[str]) -> list[str]:
+    if _NO_PASSTHROUGH["on"] and "--no-passthrough" not in args:
+        return ["--no-passthrough"]
+    return []
 
 
 def fuse_unusable() -> str | None:
@@ -85,7 +107,8 @@ class Mount:
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
                 [*CACHEFS, "mount", "-f", "--cache-dir", str(self.cache), *CHECK,
-                 *self.args, str(self.backing), str(self.mnt)], stdout=f,
+                 *passthrough_args(self.args), *self.args, str(self.backing), str(self.mnt)],
+                stdout=f,
                 stderr=subprocess.STDOUT)
         wait_until(lambda: is_mounted(self.mnt), 20, self.proc, "the mount")
         return self
@@ -198,7 +221,7 @@ def read_file_view(path: str | Path, direct: bool = False) -> tuple[int, bytes]:
         size = os.fstat(fd).st_size
         parts, off = [], 0
         while True:
-            chunk = os.pread(fd, 1 << 20, off)
+            chunk = pread_aligned(fd, 1 << 20, off)
             if not chunk:
                 break
             parts.append(chunk)
@@ -257,9 +280,20 @@ def read_blocks(path, offsets, size: int = 4096) -> dict[int, bytes]:
     """Read with O_DIRECT so the kernel page cache cannot answer for cachefs."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        return {off: os.pread(fd, size, off) for off in offsets}
+        return {off: pread_aligned(fd, size, off) for off in offsets}
     finally:
         os.close(fd)
+
+
+def pread_aligned(fd: int, size: int, off: int) -> bytes:
+    """os.pread into a page-aligned buffer: an O_DIRECT open served by FUSE passthrough
+    reads the cache file with O_DIRECT, which (as on any local disk) needs aligned memory."""
+    buf = mmap.mmap(-1, size)
+    try:
+        n = os.preadv(fd, [buf], off)
+        return buf[:n]
+    finally:
+        buf.close()
 
 
 def warm(m: Mount, name: str, size: int, passes: int = 2) -> None:

@@ -165,7 +165,10 @@ GOT=$(pkg-config --modversion fuse3 2>/dev/null) || die "pkg-config finds no fus
 SDIST=$WORK/sdist/pyfuse3-$PYFUSE3_VERSION.tar.gz
 if [ ! -f "$SDIST" ] || [ "$(sha256sum < "$SDIST" | cut -d' ' -f1)" != "$PYFUSE3_SHA256" ]; then
     rm -f "$SDIST"
+    # --no-build-isolation: the metadata step uses the tools venv's setuptools and Cython;
+    # with isolation, --no-binary :all: would build Cython itself from source (~5 min).
     step pip-download "$TOOLS/bin/python" -m pip download --no-deps --no-binary :all: \
+        --no-build-isolation \
         "pyfuse3==$PYFUSE3_VERSION" -d "$WORK/sdist"
     [ "$(sha256sum < "$SDIST" | cut -d' ' -f1)" = "$PYFUSE3_SHA256" ] \
         || die "the pyfuse3 $PYFUSE3_VERSION sdist from PyPI does not have the expected sha256 $PYFUSE3_SHA256."

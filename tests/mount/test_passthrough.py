@@ -1,0 +1,357 @@
+"""FUSE passthrough through real mounts: read-only opens of fully cached files are served by
+the kernel from the cache file (no READ reaches the daemon: its read_ops stay still), and the
+engine keeps its promise to them: writers joining in both modes, shared writable mappings,
+drop and eviction pressure, outside changes, mappings that outlive their open, kill -9, and
+the fallback when the capability is missing (openmode.py, docs/architecture.md)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CACHEFS, CTL, ctl_drop, ctl_flush, pread_aligned, wait_until
+
+pytestmark = pytest.mark.fuse
+
+EXT = 64 * 1024
+MiB = 1 << 20
+
+
+def _available() -> str | None:
+    try:
+        import pyfuse3
+    except ImportError:
+        return "pyfuse3 is not installed"
+    if not hasattr(pyfuse3, "passthrough_open"):
+        return "pyfuse3 without the passthrough patch (make install builds it)"
+    if os.geteuid() != 0:
+        return "passthrough needs CAP_SYS_ADMIN (run as root)"
+    return None
+
+
+needs_passthrough = pytest.mark.skipif(_available() is not None,
+                                       reason=str(_available()))
+
+
+def read_all(path, direct: bool = False) -> bytes:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        parts, off = [], 0
+        while True:
+            chunk = pread_aligned(fd, MiB, off)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+            off += len(chunk)
+    finally:
+        os.close(fd)
+
+
+def cache_fully(m, name: str, size: int) -> None:
+    """Read the file until every extent is cached (two passes, then wait)."""
+    want = (size + EXT - 1) // EXT
+    for _ in range(2):
+        read_all(m.path(name), direct=True)
+    wait_until(lambda: m.stats()["extents_cached"] >= want, 15, what="promotion")
+
+
+def open_passthrough(m, name: str) -> int:
+    """Open read-only and check the daemon answered with passthrough."""
+    before = m.stats()["passthrough_opens"]
+    fd = os.open(m.path(name), os.O_RDONLY)
+    assert m.stats()["passthrough_opens"] == before + 1, "the open did not go passthrough"
+    return fd
+
+
+def pread_all(fd: int, size: int) -> bytes:
+    return os.pread(fd, size + 4096, 0)
+
+
+@pytest.fixture
+def pt_mount(make_mount, mode):
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    m = make_mount("--mode", mode, "--attr-timeout", "0.2")
+    assert m.stats()["passthrough"] == "on", m.stats()["passthrough_off_reason"]
+    return m
+
+
+def test_passthrough_reads_equal_backing_and_never_reach_the_daemon(pt_mount):
+    m = pt_mount
+    data = os.urandom(3 * MiB + 12345)
+    (m.backing / "f").write_bytes(data)
+    cache_fully(m, "f", len(data))
+    ops = m.stats()["read_ops"]
+    fd = open_passthrough(m, "f")
+    try:
+        assert pread_all(fd, len(data)) == data
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mp:
+            assert mp[:] == data
+        s = m.stats()
+        assert s["passthrough_open_handles"] == 1 and s["passthrough_held_files"] == 1
+        assert s["passthrough_held_bytes"] >= len(data)
+    finally:
+        os.close(fd)
+    assert read_all(m.path("f"), direct=True) == data      # O_DIRECT, passthrough too
+    assert m.stats()["read_ops"] == ops, "reads of passthrough opens reached the daemon"
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 10, what="the release")
+
+
+def test_partly_cached_file_keeps_the_cached_path_then_completes(pt_mount):
+    m = pt_mount
+    data = os.urandom(2 * MiB)
+    (m.backing / "g").write_bytes(data)
+    cache_fully(m, "g", len(data))
+    # an outside append: the file is no longer fully cached (the tail is not)
+    with open(m.backing / "g", "ab") as f:
+        f.write(b"t" * 100000)
+    time.sleep(0.3)                                 # attributes time out
+    data += b"t" * 100000
+    before = m.stats()
+    assert read_all(m.path("g"), direct=True) == data
+    assert m.stats()["passthrough_opens"] == before["passthrough_opens"]
+    # the open completed the file in the background: a later open goes passthrough
+    wait_until(lambda: m.stats()["extents_cached"] >= (len(data) + EXT - 1) // EXT, 15,
+               what="background completion")
+    fd = open_passthrough(m, "g")
+    try:
+        assert pread_all(fd, len(data)) == data
+    finally:
+        os.close(fd)
+
+
+def test_writer_joins_readers_in_passthrough(pt_mount):
+    """Readers in passthrough keep reading right while a writer opens, writes, extends and
+    truncates the file; the writer's open never fails; BACKING ends up right."""
+    m = pt_mount
+    model = bytearray(os.urandom(MiB + 5000))
+    (m.backing / "w").write_bytes(model)
+    cache_fully(m, "w", len(model))
+    r1 = open_passthrough(m, "w")
+    r2 = open_passthrough(m, "w")
+    try:
+        w = os.open(m.path("w"), os.O_RDWR)     # joins: passthrough + direct I/O
+        try:
+            assert m.stats()["passthrough_joined"] >= 1
+            steps = [("write", 4096 * 3 + 100, os.urandom(10000)),
+                     ("write", len(model) + 70000, os.urandom(5000)),      # extends, gap
+                     ("truncate", 300001, None),
+                     ("write", 299000, os.urandom(9000)),
+                     ("truncate", 700000, None)]                           # extends
+            for op, off, buf in steps:
+                if op == "write":
+                    assert os.pwrite(w, buf, off) == len(buf)
+                    if off > len(model):
+                        model.extend(bytes(off - len(model)))
+                    model[off:off + len(buf)] = buf
+                else:
+                    os.ftruncate(w, off)
+                    del model[off:]
+                    model.extend(bytes(off - len(model)))
+                assert os.pread(w, len(model) + 10, 0) == model, op
+                for r in (r1, r2):
+                    assert os.fstat(r).st_size == len(model)
+                    assert pread_all(r, len(model)) == model, (op, off)
+        finally:
+            os.close(w)
+    finally:
+        os.close(r1)
+        os.close(r2)
+    assert read_all(m.path("w")) == model
+    ctl_flush(m)
+    m.stop()
+    assert (m.backing / "w").read_bytes() == model
+    m.start()
+    assert read_all(m.path("w"), direct=True) == model
+
+
+def test_shared_writable_mmap_reaches_backing(pt_mount, mode):
+    m = pt_mount
+    data = bytearray(os.urandom(MiB))
+    (m.backing / "mm").write_bytes(data)
+    cache_fully(m, "mm", len(data))
+    r = open_passthrough(m, "mm")
+    try:
+        w = os.open(m.path("mm"), os.O_RDWR)
+        try:
+            with mmap.mmap(w, 0) as mp:             # maps the cache file (the kernel's rule)
+                patch = os.urandom(20000)
+                mp[5000:25000] = patch
+                data[5000:25000] = patch
+                mp.flush()
+        finally:
+            os.close(w)
+        assert pread_all(r, len(data)) == data       # the reader sees it at once
+    finally:
+        os.close(r)
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 15, what="the release")
+    assert m.stats()["passthrough_syncs"] >= 1
+    if mode == "write-back":
+        ctl_flush(m)
+    wait_until(lambda: (m.backing / "mm").read_bytes() == data, 15, what="BACKING")
+    m.stop()
+    m.start()
+    assert read_all(m.path("mm"), direct=True) == data
+
+
+def test_drop_pressure_and_outside_change_never_zero_a_reader(make_mount, mode):
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    m = make_mount("--mode", mode, "--cache-size", "4M", "--attr-timeout", "0.1")
+    data = os.urandom(2 * MiB)
+    (m.backing / "keep").write_bytes(data)
+    cache_fully(m, "keep", len(data))
+    r = open_passthrough(m, "keep")
+    try:
+        ctl_drop(m)
+        s = m.stats()
+        assert s["drop_skipped_passthrough"] >= len(data) // EXT
+        assert pread_all(r, len(data)) == data
+        # pressure: other files cycle through the 4 MiB pool (3 MiB each: they never fit
+        # beside the 2 MiB held, so they never go passthrough and are held themselves)
+        for i in range(3):
+            other = os.urandom(3 * MiB)
+            (m.backing / f"o{i}").write_bytes(other)
+            for _ in range(2):
+                assert read_all(m.path(f"o{i}"), direct=True) == other
+        # promotions run after the reads are answered
+        wait_until(lambda: m.stats()["evictions"] > 0, 15, what="evictions")
+        assert pread_all(r, len(data)) == data
+        # an outside change: the open reader keeps its bytes (no zeros), a new open sees
+        # the new ones (close-to-open)
+        new = os.urandom(2 * MiB)
+        (m.backing / "keep").write_bytes(new)
+        time.sleep(0.3)
+        assert read_all(m.path("keep"), direct=True) == new
+        assert pread_all(r, len(data)) == data
+    finally:
+        os.close(r)
+    assert read_all(m.path("keep")) == new
+
+
+def test_mapping_outlives_its_open(pt_mount):
+    """A mapping kept after close (as ld.so does) holds the file: drop leaves it, and its
+    bytes stay right; once unmapped, the file is let go."""
+    m = pt_mount
+    data = os.urandom(MiB)
+    (m.backing / "lib").write_bytes(data)
+    cache_fully(m, "lib", len(data))
+    fd = open_passthrough(m, "lib")
+    mp = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    os.close(fd)
+    try:
+        time.sleep(2.5)                              # the hold checks run meanwhile
+        assert m.stats()["passthrough_held_files"] == 1
+        ctl_drop(m)
+        assert mp[:] == data
+    finally:
+        mp.close()
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 10, what="the let-go")
+    ctl_drop(m)
+    assert m.stats()["extents_cached"] == 0
+    assert read_all(m.path("lib"), direct=True) == data
+
+
+def test_kill9_with_passthrough_opens(pt_mount):
+    m = pt_mount
+    data = os.urandom(MiB + 777)
+    (m.backing / "k").write_bytes(data)
+    cache_fully(m, "k", len(data))
+    fd = open_passthrough(m, "k")
+    try:
+        m.kill()
+    finally:
+        try:
+            os.close(fd)        # the descriptor goes; its flush meets a dead connection
+        except OSError as exc:
+            assert exc.errno == errno.ENOTCONN, exc
+    m.start()
+    assert read_all(m.path("k"), direct=True) == data
+    cache_fully(m, "k", len(data))
+    fd = open_passthrough(m, "k")
+    try:
+        assert pread_all(fd, len(data)) == data
+    finally:
+        os.close(fd)
+
+
+def test_no_passthrough_option(make_mount):
+    m = make_mount("--no-passthrough")
+    data = os.urandom(MiB)
+    (m.backing / "n").write_bytes(data)
+    cache_fully(m, "n", len(data))
+    ops = m.stats()["read_ops"]
+    assert read_all(m.path("n"), direct=True) == data
+    s = m.stats()
+    assert s["passthrough"] == "off" and "--no-passthrough" in s["passthrough_off_reason"]
+    assert s["passthrough_opens"] == 0 and s["read_ops"] > ops
+    assert "FUSE passthrough: off: turned off (--no-passthrough)" in m.logs[-1].read_text()
+
+
+FALLBACK = r"""
+import hashlib, json, mmap, os, subprocess, sys, time
+cachefs, ctl, base = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+b, c, m = (os.path.join(base, d) for d in "bcm")
+with open(os.path.join(base, "daemon.log"), "wb") as log:
+    proc = subprocess.Popen([*cachefs, "mount", "-f", "--cache-dir", c, b, m], stdout=log,
+                            stderr=subprocess.STDOUT)
+try:
+    deadline = time.monotonic() + 20
+    while not os.path.ismount(m):
+        assert proc.poll() is None and time.monotonic() < deadline, "the mount failed"
+        time.sleep(0.05)
+    digests = []
+    buf = mmap.mmap(-1, 4 << 20)                # O_DIRECT: the daemon answers every read
+    for _ in range(3):
+        fd = os.open(os.path.join(m, "f"), os.O_RDONLY | os.O_DIRECT)
+        n = os.preadv(fd, [buf], 0)
+        os.close(fd)
+        digests.append(hashlib.sha256(buf[:n]).hexdigest())
+        time.sleep(0.3)                         # promotion runs after the answer
+    out = subprocess.run([*ctl, "stats", m, "--json"], capture_output=True, text=True)
+    print(json.dumps({"digests": digests, "stats": json.loads(out.stdout)}))
+finally:
+    subprocess.run(["fusermount3", "-u", m], capture_output=True)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+"""
+
+
+def test_fallback_without_cap_sys_admin(tmp_path):
+    """A daemon without CAP_SYS_ADMIN in the initial user namespace (inside `unshare -U`, as
+    in a rootless container: FUSE mounts work there, passthrough does not) runs as without
+    passthrough: the same bytes, reads served by the daemon, one log line saying why."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    for d in ("b", "c", "m"):
+        (tmp_path / d).mkdir()
+    data = os.urandom(MiB + 4321)
+    (tmp_path / "b" / "f").write_bytes(data)
+    # The mount lives in the new namespaces: when the script ends, so does the mount.
+    out = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
+                          "-c", FALLBACK, json.dumps(CACHEFS), json.dumps(CTL), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    text = (tmp_path / "daemon.log").read_text()
+    assert out.returncode == 0, out.stderr + text[-3000:]
+    res = json.loads(out.stdout)
+    assert res["digests"] == [hashlib.sha256(data).hexdigest()] * 3
+    s = res["stats"]
+    assert s["passthrough"] == "off" and "CAP_SYS_ADMIN" in s["passthrough_off_reason"]
+    assert s["passthrough_opens"] == 0 and s["hit_ops"] > 0        # today's cached path
+    assert text.count("FUSE passthrough: off") == 1 and "CAP_SYS_ADMIN" in text, text[-3000:]
+    assert "FUSE passthrough: on" not in text and "Traceback" not in text
