@@ -326,7 +326,7 @@ def summarize(fio: dict) -> dict:
         "read_p99_ms": p99(r), "write_p99_ms": p99(w),
         "runtime_s": max(r["runtime"], w["runtime"]) / 1e3,
         "read_ios": r["total_ios"], "write_ios": w["total_ios"],
-        "io_bytes": r["io_bytes"] + w["io_bytes"],
+        "io_bytes": r["io_bytes"] + w["io_bytes"], "read_io_bytes": r["io_bytes"],
     }
 
 
@@ -393,7 +393,14 @@ def measured_fio(job: str, env: dict, out_json: str, probes: Probes, ramp: int,
     if "err" in snaps:
         raise RuntimeError(f"sampling counters failed: {snaps['err']}")
     a = snaps.get("a") or b
-    return {**summarize(fio), **Probes.delta(a, b)}
+    res = {**summarize(fio), **Probes.delta(a, b)}
+    d = res.get("cachefs")
+    if d is not None and not d.get("read_ops") and res.get("read_io_bytes"):
+        # FUSE passthrough: the kernel served the reads, the daemon saw none of them. The hit
+        # ratio is then the share of bytes fio read that cachefs did not read from BACKING.
+        res["hit_ratio"] = max(0.0, 1 - d.get("backing_read_bytes", 0) / res["read_io_bytes"])
+        res["passthrough"] = True
+    return res
 
 
 # -- one measurement ---------------------------------------------------------------------------
@@ -900,7 +907,9 @@ def markdown(results: dict, plots: dict[str, str], img_prefix: str) -> str:
         "70/30-weighted mean the FlashSoft paper reports); p99 is fio's total-latency p99 per "
         "direction; x BACKING / x raw = IOPS ratio against those rows of the same workload; "
         "BACKING MiB = bytes read + written on the slowfs mount (its counters) during the "
-        "measured window; hit ratio = cachefs `hit_ops / read_ops` delta over the window; "
+        "measured window; hit ratio = cachefs `hit_ops / read_ops` delta over the window (when "
+        "FUSE passthrough served every read, so the daemon saw none: 1 - the bytes cachefs "
+        "read from BACKING / the bytes fio read); "
         "daemon CPU = utime+stime of the daemon serving the row (cachefs, or slowfs for "
         "BACKING, or passthrough.py) over the window, in % of one CPU. Warm-up: 64 KiB random "
         "reads over the whole file until a pass is >= 95 % hits (bench/jobs/warmup.fio). "

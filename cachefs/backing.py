@@ -140,7 +140,7 @@ _now = time.monotonic
 _OP_NAMES = {"_pwrite_stat": "write", "pwrite_all": "write", "truncate_stat": "truncate",
              "fsync_path": "fsync", "fdatasync": "fsync", "_destage_io": "destage write",
              "_open_by_ino": "open", "_writable_twin": "open", "open_direct": "open",
-             "_open_fstat": "open", "close_all": "close"}
+             "_open_fstat": "open", "_create_twin": "create", "close_all": "close"}
 
 
 def op_name(fn: Callable[..., Any]) -> str:

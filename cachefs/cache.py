@@ -47,7 +47,7 @@ class Cache:
         self.destager = Destager(self, backing, cfg, stats)
         self.writes = WritePath(state, self.coherence, self.destager)
         self.modes = OpenModes(state, self.writes, cfg)     # how opens are answered
-        self.namespace = Namespace(backing)      # BACKING's namespace, for fs
+        self.namespace = Namespace(backing, cfg.attr_timeout_s)   # BACKING's namespace, for fs
         self.pins = None                 # the listener of unlinks and renames (name_listener)
         # the objects the parts share (never rebound)
         self.cfg, self.store, self.backing, self.stats = cfg, store, backing, stats
@@ -205,10 +205,13 @@ class Cache:
                 readable = True
             except PermissionError:
                 pass
-        if opened is None:
-            opened = await self.backing.write_call(bk.create, self.backing.root_fd, path,
-                                                   bflags, mode, uid, gid, parent)
-        fd, st = opened
+        dfd = -1
+        if opened is None:          # write-through: the O_DIRECT twin in the same thread call
+            fd, st, dfd = await self.backing.write_call(
+                _create_twin, self.backing.root_fd, path, bflags, mode, uid, gid, parent,
+                not self.write_back)
+        else:
+            fd, st = opened
         ino = remember(st)
         cf = self.state.file_for(ino)
         self.coherence.revalidate(cf, st)
@@ -220,11 +223,12 @@ class Cache:
             except BaseException:
                 cf.open_count -= 1
                 os.close(fd)
+                if dfd >= 0:
+                    os.close(dfd)
                 raise
         of = OpenFile(fh, cf, fd, flags, self.stats)
         of.readable = readable
-        if not self.write_back:
-            of.direct_fd = await self.backing.write_call(aio.open_direct, fd)
+        of.direct_fd = dfd
         return of, st
 
     def release(self, of: OpenFile) -> list[int]:
@@ -291,6 +295,12 @@ class Cache:
     async def persist(self, durable: bool = False) -> None:
         """Make everything changed so far durable on the SSD (Persister.persist)."""
         await self.persister.persist(durable)
+
+
+def _create_twin(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int,
+                 parent: bytes, want_direct: bool) -> tuple[int, os.stat_result, int]:
+    fd, st = bk.create(root, path, flags, mode, uid, gid, parent)
+    return fd, st, aio.open_direct(fd) if want_direct else -1
 
 
 def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool

@@ -99,7 +99,9 @@ class CachedFile:
         self.wb_fd = -1                    # writable BACKING fd the destager uses
         self.lock = None                   # trio.Lock: destage vs truncate of this file
         self.dirty_exts = 0                # extents with dirty blocks
-        self.wtrack: dict[int, list[int]] = {}   # ext -> [write-through writes in flight, seq]
+        # ext -> {id: [block mask, tainted mask]} of write-through writes in flight: a block
+        # two of them touched at once has an unknown last writer in BACKING (tainted)
+        self.wtrack: dict[int, dict[int, list[int]]] = {}
         self.trunc_seq = 0                 # bumped by every truncation
         self.change_seq = 0                # bumped by every change cachefs makes to BACKING
         self.ctime_pending = False         # an own change moved BACKING's ctime, stat unknown

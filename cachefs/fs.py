@@ -291,6 +291,8 @@ class Operations(pyfuse3.Operations):
                                           lambda st: self._inodes.remember(parent_inode,
                                                                            name, st))
         self._fds.add(of)
+        if st.st_size == 0:
+            self._ns.created(of.ino)            # new (or emptied): no security.capability
         return self._modes.answer(of, True), self._attr(st, of.ino)
 
     async def read(self, fh, off, size):
@@ -393,7 +395,7 @@ class Operations(pyfuse3.Operations):
             return self._control_path
         path = self._xattr_target(inode)
         with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
-            return await self._ns.getxattr(path, fd, name)
+            return await self._ns.getxattr(path, fd, name, inode)
 
     @_errno_mapped
     async def listxattr(self, inode, ctx):
@@ -408,12 +410,18 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EPERM)
         path = self._xattr_target(inode)
         with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
-            await self._ns.setxattr(path, fd, name, value)
+            try:
+                await self._ns.setxattr(path, fd, name, value)
+            finally:
+                self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
 
     @_errno_mapped
     async def removexattr(self, inode, name, ctx):
         path = self._xattr_target(inode)
         with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
-            await self._ns.removexattr(path, fd, name)
+            try:
+                await self._ns.removexattr(path, fd, name)
+            finally:
+                self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved

@@ -70,6 +70,12 @@ COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
      "space to be released."),
     ("overlay_rereads", "overlay_rereads", "Misses that read BACKING again: a dirty block "
      "in their range was destaged and dropped during the read."),
+    ("passthrough_opens", "passthrough_opens", "Opens served by the kernel from the cache "
+     "file (FUSE passthrough)."),
+    ("passthrough_joined_opens", "passthrough_joined", "Other opens of files in passthrough "
+     "(passthrough with direct I/O: reads and writes reach cachefs)."),
+    ("passthrough_refused", "passthrough_failed", "Cache files the kernel refused as "
+     "backing files."),
 )
 GAUGES = (
     ("cache_used_bytes", "cache_used", "Bytes of the SSD cache in use."),
@@ -82,6 +88,12 @@ GAUGES = (
     ("destage_rate_bytes", "destage_rate", "Recent destage rate, bytes per second."),
     ("throttling", "throttling", "1 while flow control slows writers."),
     ("uptime_seconds", "uptime_s", "Seconds since the mount."),
+    ("passthrough_enabled", "passthrough_on", "1 while FUSE passthrough is on."),
+    ("passthrough_open_handles", "passthrough_open_handles", "Open handles in passthrough."),
+    ("passthrough_held_files", "passthrough_held_files", "Files the kernel may read by "
+     "itself (passthrough opens, mappings)."),
+    ("passthrough_held_bytes", "passthrough_held_bytes", "Cached bytes of those files, "
+     "kept from eviction and drop."),
 )
 
 

@@ -187,7 +187,9 @@ class Daemon:
         pinned = 0
         if request.get("pinned"):
             pinned = self.warm.unpin_all("cachefs-ctl drop --pinned")
+        skipped = self.stats.drop_skipped_passthrough
         n = self.cache.drop_clean()
+        skipped = self.stats.drop_skipped_passthrough - skipped
         if pinned:
             self.stats.dropped_pinned += pinned
         log.info("cachefs-ctl drop: %d clean extents dropped (%d of them pinned)%s", n,
@@ -195,7 +197,8 @@ class Daemon:
                  f"; {self.warm.status()['pinned_files']} pinned files keep their data")
         await self.cache.persist()
         return {"dropped_extents": n, "dropped_bytes": n * EXT_SIZE,
-                "dropped_pinned_extents": pinned, **self.warm.status()}
+                "dropped_pinned_extents": pinned, "kept_passthrough_extents": skipped,
+                **self.warm.status()}
 
     async def prefetch_cmd(self, request: dict, progress) -> dict:
         return await self.warm.prefetch(_paths(request), progress)

@@ -9,16 +9,26 @@ Engine state (coherence, unlink intents) stays with the callers.
 
 from __future__ import annotations
 
+import errno
 import os
+import time
 
 from . import backing as bk
 from .backing import Backing
 
+CAPS = b"security.capability"
+
 
 class Namespace:
-    def __init__(self, backing: Backing):
+    def __init__(self, backing: Backing, attr_timeout_s: float = 1.0):
         self._backing = backing
         self._root = backing.root_fd
+        # The kernel asks for security.capability before every write to a file (to remove
+        # it): inode -> until when BACKING is known to have none (a file created here, or
+        # asked within --attr-timeout), so those asks do not each cost a BACKING call. An
+        # outside setcap on BACKING is seen within --attr-timeout, as attributes are.
+        self._no_caps: dict[int, float] = {}
+        self._caps_ttl_s = attr_timeout_s
 
     async def lstat(self, path: bytes) -> os.stat_result:
         return await self._backing.lstat(path)
@@ -71,9 +81,33 @@ class Namespace:
     async def statvfs(self) -> os.statvfs_result:
         return await self._backing.read_call("statfs", bk.statvfs, self._root)
 
-    async def getxattr(self, path: bytes | None, fd: int | None, name: bytes) -> bytes:
-        return await self._backing.read_call("getxattr", bk.getxattr, self._root, path, fd,
-                                             name)
+    def created(self, ino: int) -> None:
+        """A file was just created through the mount: it has no security.capability."""
+        self._note_no_caps(ino)
+
+    def _note_no_caps(self, ino: int) -> None:
+        if len(self._no_caps) >= 4096:
+            now = time.monotonic()
+            self._no_caps = {i: t for i, t in self._no_caps.items() if t > now}
+        self._no_caps[ino] = time.monotonic() + self._caps_ttl_s
+
+    async def getxattr(self, path: bytes | None, fd: int | None, name: bytes,
+                       ino: int = 0) -> bytes:
+        if name == CAPS and ino:
+            until = self._no_caps.get(ino)
+            if until is not None and until > time.monotonic():
+                raise OSError(errno.ENODATA, os.strerror(errno.ENODATA))
+        try:
+            return await self._backing.read_call("getxattr", bk.getxattr, self._root, path,
+                                                 fd, name)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA and name == CAPS and ino:
+                self._note_no_caps(ino)
+            raise
+
+    def xattrs_changed(self, ino: int) -> None:
+        """An xattr of `ino` was set or removed through the mount."""
+        self._no_caps.pop(ino, None)
 
     async def listxattr(self, path: bytes | None, fd: int | None) -> list[str]:
         return await self._backing.read_call("listxattr", bk.listxattr, self._root, path, fd)

@@ -306,6 +306,7 @@ class OpenModes:
         held_exts = sum(len(h.cf.extents) for h in self.held.values() if h.current)
         return {
             "passthrough": "on" if self.enabled else "off",
+            "passthrough_on": int(self.enabled),
             "passthrough_off_reason": None if self.enabled else self.reason,
             "passthrough_open_files": sum(1 for h in self.held.values() if h.opens),
             "passthrough_open_handles": sum(h.opens for h in self.held.values()),

@@ -52,6 +52,10 @@ class ReadPath:
         """Answer a read from BACKING; start promotion of extents that earned it."""
         cf = of.cfile
         st = self.stats
+        if cf.extents:
+            data = await self._read_mixed(of, off, size)
+            if data is not None:
+                return data
         st.read_ops += 1
         cutoff = self.cfg.sequential_cutoff
         before = self._dirty_blocks(cf, off, size)      # write-back: newer than BACKING
@@ -106,6 +110,86 @@ class ReadPath:
         st.read_bytes += len(data)
         of.miss_lat = st.lat_miss
         return data
+
+    async def _read_mixed(self, of: OpenFile, off: int, size: int) -> bytes | None:
+        """A read partly in the cache (a stream over a file with a few blocks invalid, as
+        concurrent writes leave them): the extents wholly valid over the range come from the
+        SSD, only the others from BACKING, whole, and those that are in the cache are
+        completed. None when no extent of the range is wholly valid, or when one of them
+        left the cache during the BACKING reads (the caller then reads as for any miss)."""
+        cf = of.cfile
+        end = min(off + size, cf.size)
+        if end <= off:
+            return None
+        need, have = [], 0
+        for e, _, _, m in spans(off, end):
+            x = cf.extents.get(e)
+            if x is None or x.valid & m != m:
+                need.append(e)
+            else:
+                have += 1
+        if not have or not need:
+            return None
+        groups: list[list[int]] = []              # runs of consecutive extents to read
+        for e in need:
+            if groups and groups[-1][-1] == e - 1:
+                groups[-1].append(e)
+            else:
+                groups.append([e])
+        complete = self._s.capacity_exts and not self._s.ssd_full()
+        filling = self.filling()
+        parts: dict[int, tuple[int, bytes]] = {}  # first ext -> (offset, bytes)
+        for group in groups:
+            g_off = group[0] << EXT_SHIFT
+            g_size = min((group[-1] + 1) << EXT_SHIFT, cf.size) - g_off
+            fill = [e for e in group if complete and e not in cf.fills
+                    and (e in cf.extents or filling)]
+            for e in fill:
+                cf.fills[e] = False
+            before = self._dirty_blocks(cf, g_off, g_size)
+            try:
+                data = await self._s.backing_read(of.backing_fd, g_size, g_off)
+            except BaseException:
+                for e in fill:
+                    cf.fills.pop(e, None)
+                raise
+            if fill:
+                await self._promote(cf, [(e, slice_ext(data, g_off, e)) for e in fill])
+            if before or cf.dirty_exts:
+                data = await self._overlay_dirty(of, g_off, g_size, data, before)
+            elif len(data) < g_size:            # past BACKING's end: zeros up to the size
+                data += bytes(g_size - len(data))
+            parts[group[0]] = (g_off, data)
+        # No await from here: the SSD extents are read as the map says they are now.
+        out = bytearray()
+        fd = cf.cache_fd if cf.cache_fd >= 0 else self.cachefiles.fd(cf)
+        from_ssd = 0
+        for e, s, t, m in spans(off, end):
+            part = None
+            for g_off, data in parts.values():
+                if g_off <= s and t <= g_off + len(data):
+                    part = data[s - g_off:t - g_off]
+                    break
+            if part is None:
+                from_ssd += t - s
+                x = cf.extents.get(e)
+                if x is None or x.valid & m != m:
+                    return None                 # evicted or written meanwhile
+                part = os.pread(fd, t - s, s)
+                if len(part) < t - s:           # past the cache file's end: a hole
+                    part += bytes(t - s - len(part))
+            out += part
+        of.seq.note(off, size)
+        st = self.stats
+        st.read_ops += 1                        # a miss that read BACKING, for the ratios
+        st.miss_ops += 1                        # ... though most of its bytes were hits
+        st.mixed_ops += 1
+        st.mixed_bytes += len(out)
+        st.read_bytes += len(out)
+        st.hit_bytes += from_ssd
+        st.miss_bytes += len(out) - from_ssd
+        of.miss_lat = st.lat_miss
+        return bytes(out)
 
     async def _promote(self, cf: CachedFile, chunks: list[tuple[int, bytes]]) -> None:
         """Hand extents read from BACKING (their fills marked) to the promoter. A full queue

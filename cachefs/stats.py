@@ -17,6 +17,7 @@ COUNTERS = (
     "hit_ops", "hit_bytes",                # answered from the SSD
     "miss_ops", "miss_bytes",              # answered from BACKING (not sequential)
     "bypass_ops", "bypass_bytes",          # sequential stream past the cutoff, from BACKING
+    "mixed_ops", "mixed_bytes",            # partly from the SSD, the rest from BACKING
     "write_ops", "write_bytes",
     "backing_read_ops", "backing_read_bytes", "backing_write_ops", "backing_write_bytes",
     "promotions", "promotions_dropped", "evictions",

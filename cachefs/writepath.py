@@ -3,8 +3,9 @@ cache file, blocks turn dirty; flow control first), write-around (write-back whe
 cannot take it), truncate and fsync.
 
 Owns `WritePath`. Its bracketing of awaits: promotions in flight are overtaken by writes and
-truncates (`CachedFile.fills`), write-through updates the cache only if no other write or
-truncate touched the extent meanwhile (`CachedFile.wtrack`, `trunc_seq`).
+truncates (`CachedFile.fills`), write-through updates the cached blocks no other write
+touched while it was in flight, unless a truncate came meanwhile (`CachedFile.wtrack`,
+`trunc_seq`).
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ class WritePath:
                     return await self._write_around(of, off, data)
                 why = await self._fill_for_write(of, cf, gaps)
                 if why == NO_ROOM and not self._s.ssd_full():
-                    if self._destager.failing():
+                    if self._destager.failing() or not self._room_may_come():
                         return await self._write_around(of, off, data)
                     await self._destager.wait_room()
                 elif why == OVERTAKEN:
@@ -204,9 +205,11 @@ class WritePath:
             missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
             if missing and not self._s.make_room(missing):
                 self.stats.throttled_writes += 1
-                if self._destager.failing():
-                    # No room, and destaging fails (BACKING errors): BACKING takes this
-                    # write or says why, rather than a wait for room that may never come.
+                if self._destager.failing() or not self._room_may_come():
+                    # No room, and destaging fails (BACKING errors) or cannot free any (the
+                    # pool is full of files the kernel reads in passthrough, or pinned):
+                    # BACKING takes this write or says why, rather than a wait for room
+                    # that may never come.
                     return await self._write_around(of, off, data)
                 await self._destager.wait_room()          # the pool is full of dirty data
                 continue
@@ -227,6 +230,12 @@ class WritePath:
         if of.flags & (os.O_SYNC | os.O_DSYNC):
             await self.persister.persist(durable=True)
         return len(data)
+
+    def _room_may_come(self) -> bool:
+        """Whether destaging can free a cache slot: only dirty extents of files not
+        protected (pinned, or held by passthrough) can be evicted once clean."""
+        protected = self._s.pool.protected
+        return any(ino not in protected for ino, _ in self.dirty)
 
     def _write_dirty(self, cf: CachedFile, off: int, data: bytes) -> None:
         """Put a write-back write into the cache file and mark its blocks dirty (sync).
@@ -393,9 +402,10 @@ class WritePath:
         """Write-through: BACKING first, then the cached blocks the write touches.
 
         While the BACKING write is in flight the touched blocks are invalid (readers go to
-        BACKING). Afterwards the bytes go into the cache only if no other write or truncate
-        touched those extents meanwhile (then the order of the two in BACKING is unknown and
-        the blocks stay invalid); fills that overlapped are dropped.
+        BACKING). Afterwards the bytes go into the blocks no other write touched meanwhile
+        (a block two writes touched at once has an unknown last writer in BACKING: it stays
+        invalid), unless a truncate came meanwhile; fills that overlapped are dropped.
+        Concurrent writes to other blocks of the same extent do not matter.
         """
         cf = of.cfile
         end = off + len(data)
@@ -405,10 +415,15 @@ class WritePath:
         for e, _, _, m in spans(off, end):
             track = cf.wtrack.get(e)
             if track is None:
-                track = cf.wtrack[e] = [0, 0]
-            track[0] += 1
-            track[1] += 1
-            mine.append((e, track[1], track[0] == 1))
+                track = cf.wtrack[e] = {}
+            token = [m, 0]
+            for other in track.values():
+                both = other[0] & m
+                if both:
+                    other[1] |= both
+                    token[1] |= both
+            track[id(token)] = token
+            mine.append((e, token))
             x = cf.extents.get(e)
             if x is not None:
                 self._s.map.invalidate(cf, x, m)
@@ -419,11 +434,11 @@ class WritePath:
         finally:
             cf.writes_inflight -= 1
             alone = {}
-            for e, seq, first_in in mine:
+            for e, token in mine:
                 track = cf.wtrack[e]
-                alone[e] = first_in and track[1] == seq and track[0] == 1
-                track[0] -= 1
-                if not track[0]:
+                alone[e] = token[0] & ~token[1]
+                del track[id(token)]
+                if not track:
                     del cf.wtrack[e]
         cf.clobber(first, last)       # fills that may have read BACKING before our write
         self.stats.write_ops += 1
@@ -436,26 +451,32 @@ class WritePath:
         return written
 
     def _update_cached(self, cf: CachedFile, off: int, data: bytes,
-                       alone: dict[int, bool]) -> None:
-        """Put a completed write's bytes into the cached extents it was alone on."""
+                       alone: dict[int, int]) -> None:
+        """Put a completed write's bytes into the cached blocks it was alone on (`alone`:
+        extent -> block mask); the other blocks it touched stay invalid."""
         view = memoryview(data)
         for e, s, t, m in spans(off, off + len(data)):
             x = cf.extents.get(e)
             if x is None:
                 continue
-            if not alone[e]:
-                self._s.map.invalidate(cf, x, m)
+            ok = alone[e] & m
+            if ok != m:
+                self._s.map.invalidate(cf, x, m & ~ok)
+            if not ok:
                 continue
+            base = e << EXT_SHIFT
             try:
-                pwrite_all(self.cachefiles.fd(cf), view[s - off:t - off], s)
+                for b0, b1 in runs(ok):
+                    bs = max(s, base + (b0 << BLK_SHIFT))
+                    bt = min(t, base + (b1 << BLK_SHIFT))
+                    pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
             except OSError as exc:
                 self._s.ssd_failed(exc, "a write-through update")
                 self.stats.drop_cache_error += 1
                 self._s.map.remove(cf, x)
                 continue
             # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
-            base = e << EXT_SHIFT
-            self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base))
+            self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base) & ok)
 
     async def truncate(self, ino: int, size: int, path: bytes, fd: int | None
                        ) -> os.stat_result:

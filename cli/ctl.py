@@ -13,7 +13,7 @@ import time
 import tqdm
 
 from cachefs import mounttable
-from cachefs.config import format_size
+from cachefs.config import EXT_SIZE, format_size
 from cachefs.errors import UserError
 from cachefs.health import summary as health_summary
 
@@ -148,6 +148,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def passthrough_summary(s: dict) -> str:
+    """FUSE passthrough in one line: off and why, or what the kernel serves now."""
+    if s.get("passthrough") != "on":
+        return f"off: {s.get('passthrough_off_reason') or 'unknown'}"
+    return (f"on; {s['passthrough_open_handles']} opens of {s['passthrough_open_files']} "
+            f"files now, {s['passthrough_held_files']} files held "
+            f"({format_size(s['passthrough_held_bytes'])}); {s['passthrough_opens']} "
+            f"passthrough and {s['passthrough_joined']} joined opens since mount")
+
+
 def render(s: dict) -> str:
     used, size = s["cache_used"], s["cache_size"]
     rows = [
@@ -172,6 +182,7 @@ def render(s: dict) -> str:
         ("pinned", f"{s['pinned_files']} files, {format_size(s['pinned_bytes'])} resident "
                    f"(limit {format_size(s['pinned_limit'])}); prefetched "
                    f"{format_size(s['prefetched_bytes'])}"),
+        ("passthrough", passthrough_summary(s)),
         ("BACKING health", health_summary(s.get("backing_health"))),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']} (full "
                    f"{s.get('cache_full_events', 0)}), metadata commits "
@@ -334,6 +345,10 @@ def cmd_drop(args: argparse.Namespace) -> int:
         kept = (f"; {res['pinned_files']} pinned files keep "
                 f"{format_size(res['pinned_bytes'])} (drop --pinned drops them too)"
                 if res["pinned_files"] else "")
+        held = res.get("kept_passthrough_extents", 0)
+        if held:
+            kept += (f"; {held} extents ({format_size(held * EXT_SIZE)}) of files the kernel "
+                     "reads in passthrough are kept")
         print(f"dropped {res['dropped_extents']} clean extents "
               f"({format_size(res['dropped_bytes'])}){kept}")
     return 0

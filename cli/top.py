@@ -19,7 +19,7 @@ from cachefs.errors import UserError
 from cachefs.health import summary as health_summary
 
 from . import client
-from .ctl import latency_rows, window_rows
+from .ctl import latency_rows, passthrough_summary, window_rows
 
 DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error")
 ERRORS = (("BACKING", "backing_errors"), ("cache", "cache_errors"),
@@ -109,6 +109,7 @@ def rows(v: View) -> list[tuple[str, str, str]]:
              + ("" if r is None else f" (+{r['throttled']} now)"),
              "bold red" if s["throttling"] else ""),
         ]
+    out.append(("passthrough", passthrough_summary(s), ""))
     drops = s.get("drops", {})
     new_drops = sum(r["drops"].values()) if r else 0
     out.append(("drops", ", ".join(f"{k.replace('_', ' ')} {drops.get(k, 0)}"
@@ -146,6 +147,9 @@ def line(v: View) -> str:
                   f"{'-' if eta is None else f'{eta:.0f} s'}",
                   f"throttle {'ON' if s['throttling'] else 'off'}"]
     parts.append(f"BACKING {health_summary(s.get('backing_health'))}")
+    parts.append("passthrough " + (f"{s['passthrough_open_handles']} opens of "
+                                   f"{s['passthrough_open_files']} files now"
+                                   if s.get("passthrough") == "on" else "off"))
     parts += [f"drops {sum(s.get('drops', {}).values())}",
               "errors " + " ".join(f"{label} {s.get(key, 0)}" for label, key in ERRORS)]
     if s.get("last_destage_error"):

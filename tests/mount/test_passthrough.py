@@ -355,3 +355,71 @@ def test_fallback_without_cap_sys_admin(tmp_path):
     assert s["passthrough_opens"] == 0 and s["hit_ops"] > 0        # today's cached path
     assert text.count("FUSE passthrough: off") == 1 and "CAP_SYS_ADMIN" in text, text[-3000:]
     assert "FUSE passthrough: on" not in text and "Traceback" not in text
+
+
+def test_passthrough_is_visible_in_stats_top_metrics_drop_and_debug(make_mount):
+    """stats, top, the Prometheus metrics and drop show the passthrough opens and the bytes
+    they hold; --debug says which way each open went and why."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    m = make_mount("--debug")
+    data = os.urandom(MiB)
+    (m.backing / "v").write_bytes(data)
+    cache_fully(m, "v", len(data))
+    fd = open_passthrough(m, "v")
+    w = os.open(m.path("v"), os.O_RDWR)            # joins
+    try:
+        text = subprocess.run([*CTL, "stats", str(m.mnt)], capture_output=True, text=True,
+                              check=True).stdout
+        line = next(ln for ln in text.splitlines() if ln.startswith("passthrough "))
+        assert "on; 2 opens of 1 files now, 1 files held (1.0 MiB)" in line, line
+        top = subprocess.run([*CTL, "top", str(m.mnt), "--interval", "0.2", "--count", "1"],
+                             capture_output=True, text=True, timeout=30)
+        assert "2 opens of 1 files now" in top.stdout, top.stdout + top.stderr
+        metrics = subprocess.run([*CTL, "metrics", str(m.mnt)], capture_output=True,
+                                 text=True, check=True).stdout
+        values = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1])
+                  for ln in metrics.splitlines() if ln.startswith("cachefs_passthrough")}
+        assert values["cachefs_passthrough_enabled"] == 1
+        assert values["cachefs_passthrough_open_handles"] == 2
+        assert values["cachefs_passthrough_held_bytes"] == len(data)
+        assert values["cachefs_passthrough_opens_total"] >= 1
+        assert values["cachefs_passthrough_joined_opens_total"] == 1
+        out = subprocess.run([*CTL, "drop", str(m.mnt)], capture_output=True, text=True,
+                             check=True).stdout
+        assert "16 extents (1.0 MiB) of files the kernel reads in passthrough are kept" in out
+    finally:
+        os.close(w)
+        os.close(fd)
+    log = m.logs[-1].read_text()
+    assert "passthrough, backing id" in log and "(fully cached, read-only)" in log
+    assert "joined, backing id" in log and "(writable)" in log
+
+
+def test_write_back_write_with_the_pool_full_of_held_files_goes_to_backing(make_mount):
+    """A write-back write needing a cache slot while every slot holds data of files the
+    kernel reads in passthrough (protected, never evicted) goes to BACKING instead of
+    waiting for room that destaging can never free (it waited forever)."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    m = make_mount("--mode", "write-back", "--cache-size", "1M", "--promote-after", "1")
+    data = os.urandom(MiB)
+    (m.backing / "held").write_bytes(data)
+    cache_fully(m, "held", len(data))
+    r = open_passthrough(m, "held")
+    try:
+        new = os.urandom(3 * 65536 + 100)
+        script = ("import os,sys\n"
+                  "fd=os.open(sys.argv[1],os.O_WRONLY|os.O_CREAT,0o644)\n"
+                  "os.pwrite(fd,sys.stdin.buffer.read(),0)\n"
+                  "os.close(fd)\n")
+        out = subprocess.run([sys.executable, "-c", script, str(m.path("w"))], input=new,
+                             capture_output=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert (m.backing / "w").read_bytes() == new          # went around the cache
+        assert read_all(m.path("w")) == new
+        assert pread_all(r, len(data)) == data
+    finally:
+        os.close(r)
