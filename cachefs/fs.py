@@ -26,6 +26,7 @@ from .cache import Cache
 from .config import Config
 from .handles import Handles
 from .inodes import ROOT_INODE, InodeTable
+from .openmode import Answer, Kernel
 
 log = logging.getLogger("cachefs.fs")
 
@@ -67,6 +68,9 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         self._fds = Handles(cache.namespace)         # open handles and their BACKING fds
         self._modes = cache.modes                   # how each open is answered
+        self._modes.bind(Kernel(hasattr(pyfuse3, "passthrough_open"),
+                                getattr(pyfuse3, "passthrough_open", None),
+                                getattr(pyfuse3, "passthrough_close", None)))
         self.enable_passthrough = self._modes.wanted
         self._open = self._fds.open                 # fh -> OpenFile (the same dict: read())
         if cfg.debug:
@@ -278,7 +282,7 @@ class Operations(pyfuse3.Operations):
         fh = self._fh()
         of, keep = await self._cache.open(fh, inode, path, flags)
         self._fds.add(of)
-        return self._modes.answer(of, keep)
+        return _file_info(self._modes.answer(of, keep))
 
     @_errno_mapped
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -293,7 +297,7 @@ class Operations(pyfuse3.Operations):
         self._fds.add(of)
         if st.st_size == 0:
             self._ns.created(of.ino)            # new (or emptied): no security.capability
-        return self._modes.answer(of, True), self._attr(st, of.ino)
+        return _file_info(self._modes.answer(of, True)), self._attr(st, of.ino)
 
     async def read(self, fh, off, size):
         of = self._open[fh]
@@ -425,3 +429,13 @@ class Operations(pyfuse3.Operations):
             finally:
                 self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
+
+
+def _file_info(a: Answer) -> pyfuse3.FileInfo:
+    """pyfuse3's reply to an open (keep_cache and nonseekable always explicit: pyfuse3
+    defaults keep_cache on)."""
+    if a.backing_id:
+        return pyfuse3.FileInfo(fh=a.fh, direct_io=a.direct_io, keep_cache=False,
+                                nonseekable=False, backing_id=a.backing_id)
+    return pyfuse3.FileInfo(fh=a.fh, direct_io=a.direct_io, keep_cache=a.keep_cache,
+                            nonseekable=False)

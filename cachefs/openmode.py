@@ -45,7 +45,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import pyfuse3
 import trio
 
 from . import mounttable
@@ -75,11 +74,31 @@ class Held:
     generation: int = 0         # bumped at every open: a check that began before is void
 
 
-def unavailable_reason(cfg, has_cap=None) -> str | None:
+@dataclass
+class Answer:
+    """How the kernel is to serve one open: fs.py turns it into pyfuse3's FileInfo."""
+    fh: int
+    direct_io: bool
+    keep_cache: bool
+    backing_id: int = 0       # the cache file registered for passthrough; 0: none
+
+
+class Kernel:
+    """The binding's passthrough calls, given by fs.py (the only user of pyfuse3): they
+    register a cache file as backing file (returns its id) and release an id; they may only
+    be called from the open and release handlers."""
+
+    def __init__(self, available: bool, register=None, unregister=None):
+        self.available = available
+        self.register = register
+        self.unregister = unregister
+
+
+def unavailable_reason(cfg, kernel: Kernel, has_cap=None) -> str | None:
     """Why passthrough cannot be used by this mount (before mounting), or None."""
     if not cfg.passthrough:
         return "turned off (--no-passthrough)"
-    if not hasattr(pyfuse3, "passthrough_open"):
+    if not kernel.available:
         return ("pyfuse3 lacks the passthrough patch (make install, or "
                 "deps/passthrough/build.sh, installs it)")
     if not (has_cap if has_cap is not None else _has_cap_sys_admin()):
@@ -98,8 +117,10 @@ class OpenModes:
     def __init__(self, state: CacheState, writes, cfg):
         self._s = state
         self._writes = writes
+        self._cfg = cfg
         self.stats = state.stats
-        self.reason = unavailable_reason(cfg)     # why passthrough is off; None: wanted
+        self._kernel = Kernel(False)
+        self.reason = unavailable_reason(cfg, self._kernel)   # why it is off; None: wanted
         self.enabled = False                      # negotiated with the kernel (init)
         self.held: dict[int, Held] = {}
         self._plain: dict[int, int] = {}          # ino -> handles answered CACHED/DIRECT
@@ -108,6 +129,11 @@ class OpenModes:
         self._wake = trio.Event()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.completer = None       # (ino, path, size): load a file's missing extents (warm)
+
+    def bind(self, kernel: Kernel) -> None:
+        """The binding's passthrough calls (fs.py, before the mount)."""
+        self._kernel = kernel
+        self.reason = unavailable_reason(self._cfg, kernel)
 
     @property
     def wanted(self) -> bool:
@@ -131,7 +157,7 @@ class OpenModes:
 
     # -- the open path -----------------------------------------------------------------------
 
-    def answer(self, of: OpenFile, keep_cache: bool) -> pyfuse3.FileInfo:
+    def answer(self, of: OpenFile, keep_cache: bool) -> Answer:
         """Choose how the kernel serves the open `of` (registered already) and say so."""
         cf = of.cfile
         h = cf.held
@@ -171,8 +197,7 @@ class OpenModes:
         if self._debug:
             log.debug("open ino %d fh %d: %s%s", of.ino, of.fh, of.mode,
                       f" ({why})" if why else "")
-        return pyfuse3.FileInfo(fh=of.fh, direct_io=direct, keep_cache=keep_cache and not direct,
-                                nonseekable=False)
+        return Answer(of.fh, direct, keep_cache and not direct)
 
     def _eligible(self, cf: CachedFile) -> bool:
         """Every block of the file valid, its cache file as long as the file, nothing in
@@ -206,7 +231,7 @@ class OpenModes:
 
     def _register(self, cf: CachedFile) -> int:
         try:
-            return pyfuse3.passthrough_open(cf.cache_fd)
+            return self._kernel.register(cf.cache_fd)
         except OSError as exc:
             self.stats.passthrough_failed += 1
             if exc.errno == errno.EPERM:
@@ -223,11 +248,11 @@ class OpenModes:
 
     def _close_id(self, bid: int) -> None:
         try:
-            pyfuse3.passthrough_close(bid)
+            self._kernel.unregister(bid)
         except OSError as exc:
             log.warning("releasing a passthrough backing file failed: %s", exc)
 
-    def _passthrough(self, of: OpenFile, h: Held, mode: str, why: str) -> pyfuse3.FileInfo:
+    def _passthrough(self, of: OpenFile, h: Held, mode: str, why: str) -> Answer:
         of.mode = mode
         h.opens += 1
         h.generation += 1
@@ -244,8 +269,7 @@ class OpenModes:
         if self._debug:
             log.debug("open ino %d fh %d: %s, backing id %d (%s)", of.ino, of.fh, mode,
                       h.backing_id, why)
-        return pyfuse3.FileInfo(fh=of.fh, direct_io=mode == JOINED, keep_cache=False,
-                                nonseekable=False, backing_id=h.backing_id)
+        return Answer(of.fh, mode == JOINED, False, h.backing_id)
 
     def release(self, of: OpenFile) -> None:
         """A handle is released (in the release handler: the backing id can be closed)."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import CTL, wait_until
+from tests.conftest import CTL, wait_until, pread_aligned
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
@@ -47,7 +47,7 @@ class History:
 def read_file(path) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        return b"".join(os.pread(fd, 65536, off) for off in range(0, FILE_BLOCKS * BLK, 65536))
+        return b"".join(pread_aligned(fd, 65536, off) for off in range(0, FILE_BLOCKS * BLK, 65536))
     finally:
         os.close(fd)
 

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import CTL, wait_until, warm  # noqa: E402
+from tests.conftest import CTL, pread_aligned, wait_until, warm  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 KiB = 1024
@@ -50,7 +50,7 @@ def test_a_burst_of_eio_is_one_warning_then_one_recovery(make_mount, slow_backin
         offsets = random.sample(range(0, len(cold), 64 * KiB), 8)
         for off in offsets:                             # a burst of misses: all fail
             with pytest.raises(OSError) as err:
-                os.pread(cold_fd, 4096, off)
+                pread_aligned(cold_fd, 4096, off)
             assert err.value.errno == errno.EIO
             # the SSD keeps serving what it holds
             assert os.pread(hot_fd, 4096, off) == hot[off:off + 4096]
@@ -97,7 +97,7 @@ def test_a_hung_backing_times_out_with_eio_and_health_says_so(make_mount, slow_b
         sf.set(hang=1)
         t0 = time.monotonic()
         with pytest.raises(OSError) as err:
-            os.pread(fd, 4096, 0)
+            pread_aligned(fd, 4096, 0)
         assert err.value.errno == errno.EIO
         assert 0.9 < time.monotonic() - t0 < 10
         h = m.stats()["backing_health"]                 # the mount answers meanwhile

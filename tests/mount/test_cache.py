@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import read_blocks, wait_until, warm
+from tests.conftest import read_blocks, wait_until, warm, pread_aligned
 
 pytestmark = pytest.mark.fuse
 
@@ -73,7 +73,7 @@ def test_sequential_stream_bypasses_cache(make_mount):
     for _ in range(2):
         fd = os.open(m.path("stream"), os.O_RDONLY | os.O_DIRECT)
         try:
-            out = b"".join(os.pread(fd, 128 << 10, off) for off in range(0, len(data), 128 << 10))
+            out = b"".join(pread_aligned(fd, 128 << 10, off) for off in range(0, len(data), 128 << 10))
         finally:
             os.close(fd)
         assert out == data
@@ -189,7 +189,7 @@ def test_sequential_stream_sees_dirty_write_back_blocks(make_mount):
     assert m.stats()["dirty_bytes"] > 0
     fd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
     try:
-        out = b"".join(os.pread(fd, 128 << 10, off) for off in range(0, len(data), 128 << 10))
+        out = b"".join(pread_aligned(fd, 128 << 10, off) for off in range(0, len(data), 128 << 10))
     finally:
         os.close(fd)
     assert m.stats()["bypass_bytes"] > 0                   # the stream did bypass the cache

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import flush_all  # noqa: E402
+from tests.conftest import flush_all, pread_aligned  # noqa: E402
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 KiB = 1024
@@ -116,7 +116,7 @@ def test_a_partial_write_racing_a_promotion_of_its_extent_does_not_stall(make_mo
         slowest = 0.0
         try:
             for e in range(16):
-                reader = threading.Thread(target=os.pread, args=(rfd, 4 * KiB, e * 64 * KiB))
+                reader = threading.Thread(target=pread_aligned, args=(rfd, 4 * KiB, e * 64 * KiB))
                 reader.start()
                 time.sleep(0.01)                 # the promotion's BACKING read is under way
                 off = e * 64 * KiB + 8 * KiB + 100

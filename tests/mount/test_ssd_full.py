@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CTL, wait_until
+from tests.conftest import CTL, wait_until, pread_aligned
 
 pytestmark = pytest.mark.fuse
 
@@ -34,7 +34,7 @@ def read_direct(path) -> bytes:
     try:
         out = bytearray()
         while True:
-            chunk = os.pread(fd, MiB, len(out))
+            chunk = pread_aligned(fd, MiB, len(out))
             if not chunk:
                 return bytes(out)
             out += chunk

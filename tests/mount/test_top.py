@@ -17,7 +17,7 @@ import pytest
 
 from cachefs_cli import top
 
-from ..conftest import CTL
+from ..conftest import CTL, pread_aligned
 
 pytestmark = pytest.mark.fuse
 
@@ -32,7 +32,7 @@ def reader(path, stop: threading.Event) -> None:
     try:
         while not stop.is_set():
             for off in range(0, 1 << 20, 64 << 10):
-                os.pread(fd, 64 << 10, off)
+                pread_aligned(fd, 64 << 10, off)
     finally:
         os.close(fd)
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CTL, wait_until
+from tests.conftest import CTL, wait_until, pread_aligned
 
 pytestmark = pytest.mark.fuse
 
@@ -30,7 +30,7 @@ def ctl(*args, check=None):
 def read_direct(path, offsets, size=4096):
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        return {off: os.pread(fd, size, off) for off in offsets}
+        return {off: pread_aligned(fd, size, off) for off in offsets}
     finally:
         os.close(fd)
 
@@ -211,7 +211,7 @@ def test_scan_does_not_evict_pinned_extents_and_unpin_lets_them_go(make_mount, e
                 rng.shuffle(reads)
                 for name, off in reads:
                     for o in (off, off + 32768):
-                        assert os.pread(fds[name], 4096, o) == scan[name][o:o + 4096]
+                        assert pread_aligned(fds[name], 4096, o) == scan[name][o:o + 4096]
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import CTL, wait_until
+from tests.conftest import CTL, wait_until, pread_aligned
 
 pytestmark = pytest.mark.fuse
 
@@ -23,7 +23,7 @@ def random_reads(path, size, count, rng):
     try:
         for _ in range(count):
             off = rng.randrange(size // 4096) * 4096
-            os.pread(fd, 4096, off)
+            pread_aligned(fd, 4096, off)
     finally:
         os.close(fd)
 
