@@ -27,6 +27,7 @@ from .stats import Stats
 from .store import MetadataStore
 from .writeback import Destager, plan_destage
 from .openmode import OpenModes
+from .statx import dio_align
 from .writepath import WritePath
 
 log = logging.getLogger("cachefs.cache")
@@ -156,6 +157,11 @@ class Cache:
             opened = await self.backing.read_call("open", _open_fstat, self.backing.root_fd,
                                                   path, bflags, want_direct)
         fd, st, dfd = opened
+        dio = (0, 0)
+        if flags & os.O_DIRECT and flags & os.O_ACCMODE == os.O_RDONLY and self.modes.enabled:
+            # how strict BACKING is about O_DIRECT alignment (openmode: may such an open
+            # read the cache file with O_DIRECT?)
+            dio = await self.backing.read_call("open", dio_align, fd)
         cf = self.state.file_for(ino)
         unchanged = self.coherence.revalidate(cf, st, token)
         cf.path = path
@@ -188,6 +194,7 @@ class Cache:
         of = OpenFile(fh, cf, fd, flags, self.stats)
         of.direct_fd = dfd
         of.readable = readable
+        of.dio_align = dio
         return of, unchanged
 
     async def create(self, fh: int, path: bytes, flags: int, mode: int, uid: int, gid: int,

@@ -52,6 +52,7 @@ from .config import EXT_SIZE
 from .extents import CachedFile
 from .hit import OpenFile
 from .state import CacheState
+from .statx import dio_align
 
 log = logging.getLogger("cachefs.openmode")
 
@@ -126,6 +127,7 @@ class OpenModes:
         self._plain: dict[int, int] = {}          # ino -> handles answered CACHED/DIRECT
         self._page_cache_stale: set[int] = set()  # written while in passthrough
         self._fuse_dev: tuple[int, int] | None = None
+        self._cache_dio: tuple[int, int] | None = None   # the cache files' O_DIRECT rules
         self._wake = trio.Event()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.completer = None       # (ino, path, size): load a file's missing extents (warm)
@@ -171,6 +173,9 @@ class OpenModes:
                                          "writable" if not readonly else "not fully cached")
             if not readonly:
                 why = "writable"
+            elif of.flags & os.O_DIRECT and not self._direct_ok(of, cf):
+                why = ("O_DIRECT, and BACKING takes direct I/O the cache file would refuse "
+                       "(alignment)")
             elif self._plain.get(of.ino):
                 why = "other opens use the page cache"
             elif not self._eligible(cf):
@@ -198,6 +203,21 @@ class OpenModes:
             log.debug("open ino %d fh %d: %s%s", of.ino, of.fh, of.mode,
                       f" ({why})" if why else "")
         return Answer(of.fh, direct, keep_cache and not direct)
+
+    def _direct_ok(self, of: OpenFile, cf: CachedFile) -> bool:
+        """An O_DIRECT open in passthrough reads the cache file with O_DIRECT, under the
+        cache filesystem's alignment rules: only when BACKING's are at least as strict (an
+        unaligned read BACKING would serve must not fail here; NFS takes any)."""
+        b_mem, b_off = of.dio_align
+        if not b_mem or not b_off:
+            return False
+        if self._cache_dio is None:
+            try:
+                self._cache_dio = dio_align(self._s.cachefiles.fd(cf))
+            except OSError:
+                return False
+        c_mem, c_off = self._cache_dio
+        return 0 < c_mem <= b_mem and 0 < c_off <= b_off
 
     def _eligible(self, cf: CachedFile) -> bool:
         """Every block of the file valid, its cache file as long as the file, nothing in

@@ -19,6 +19,7 @@ from .libc import libc
 AT_EMPTY_PATH = 0x1000
 AT_STATX_FORCE_SYNC = 0x2000
 STATX_BASIC_STATS = 0x7FF
+STATX_DIOALIGN = 0x2000
 
 
 class _Ts(ctypes.Structure):
@@ -35,7 +36,8 @@ class _Statx(ctypes.Structure):
                 ("atime", _Ts), ("btime", _Ts), ("ctime", _Ts), ("mtime", _Ts),
                 ("rdev_major", ctypes.c_uint32), ("rdev_minor", ctypes.c_uint32),
                 ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32),
-                ("_spare2", ctypes.c_uint64 * 14)]
+                ("mnt_id", ctypes.c_uint64), ("dio_mem_align", ctypes.c_uint32),
+                ("dio_offset_align", ctypes.c_uint32), ("_spare2", ctypes.c_uint64 * 12)]
 
 
 try:
@@ -74,3 +76,16 @@ def fresh_fstat(fd: int) -> os.stat_result:
          "st_atime_ns": at, "st_mtime_ns": mt, "st_ctime_ns": ct,
          "st_blksize": buf.blksize, "st_blocks": buf.blocks,
          "st_rdev": os.makedev(buf.rdev_major, buf.rdev_minor)})
+
+
+def dio_align(fd: int) -> tuple[int, int]:
+    """(memory, offset) alignment the file's filesystem requires of O_DIRECT I/O (statx
+    STATX_DIOALIGN, Linux >= 6.1); (0, 0) when it does not say (NFS, FUSE, tmpfs: direct I/O
+    there takes any alignment, or is not supported at all)."""
+    if _statx is None:
+        return 0, 0
+    buf = _Statx()
+    if _statx(fd, b"", AT_EMPTY_PATH, STATX_DIOALIGN, ctypes.byref(buf)) != 0 or \
+            not buf.mask & STATX_DIOALIGN:
+        return 0, 0
+    return buf.dio_mem_align, buf.dio_offset_align

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.fuse
 EXT = 64 * 1024
 
 
+@pytest.mark.no_passthrough     # counts the hits the daemon answers
 def test_second_read_comes_from_ssd_also_after_remount(make_mount):
     m = make_mount("--promote-after", "2")
     data = os.urandom(1 << 20)

@@ -15,7 +15,8 @@ import pytest
 from cachefs.stats import COUNTERS
 from tests.conftest import CTL, wait_until
 
-pytestmark = pytest.mark.fuse
+# These count the reads the daemon answers: FUSE passthrough reads never reach it.
+pytestmark = [pytest.mark.fuse, pytest.mark.no_passthrough]
 
 READS = ("read_ops", "read_bytes", "hit_ops", "hit_bytes", "miss_ops", "miss_bytes",
          "bypass_ops", "bypass_bytes", "backing_read_ops", "backing_read_bytes")

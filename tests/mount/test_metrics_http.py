@@ -50,6 +50,7 @@ def samples(text: str) -> dict[str, dict[tuple, float]]:
             for f in text_string_to_metric_families(text)}
 
 
+@pytest.mark.no_passthrough     # counts the hits the daemon answers
 def test_http_scrape_and_ctl_metrics_are_the_same_text(make_mount, mode):
     port = free_port()
     m = make_mount("--mode", mode, "--promote-after", "1", "--metrics", str(port))

@@ -302,7 +302,8 @@ def test_o_direct(mounted):
     for i in range(3):                                  # miss, miss (promotes), then hits
         if i == 2:
             wait_until(lambda: m.stats()["extents_cached"] >= 4, 10, what="promotion")
-            hits = m.stats()["hit_ops"]
+            s = m.stats()
+            hits, pt = s["hit_ops"], s["passthrough_opens"]
         fd = os.open(m.path("d"), os.O_RDONLY | os.O_DIRECT)
         try:
             assert os.preadv(fd, [rbuf], 0) == size
@@ -312,7 +313,8 @@ def test_o_direct(mounted):
             assert bytes(part) == want[60 * KiB:60 * KiB + 8192]
         finally:
             os.close(fd)
-    assert m.stats()["hit_ops"] > hits                   # the last round came from the SSD
+    s = m.stats()                                        # the last round came from the SSD:
+    assert s["hit_ops"] > hits or s["passthrough_opens"] > pt    # daemon hits, or the kernel's
     assert m.path("d").read_bytes() == want              # the buffered view agrees
 
 

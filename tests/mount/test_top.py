@@ -19,7 +19,8 @@ from cachefs_cli import top
 
 from ..conftest import CTL, pread_aligned
 
-pytestmark = pytest.mark.fuse
+# These count the reads the daemon answers: FUSE passthrough reads never reach it.
+pytestmark = [pytest.mark.fuse, pytest.mark.no_passthrough]
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 LABELS = ("reads", "writes", "hit ratio", "occupancy", "dirty", "destage", "flow control",
@@ -119,7 +120,8 @@ def test_top_plain_lines_under_a_pipe(busy_mount):
         assert re.match(r"\d\d:\d\d:\d\d \| read \d+ IOPS [\d.]+ (B|KiB|MiB|GiB)/s \| write 0 IOPS "
                         r"0 B/s \| hit [\d.]+ % \| hit since mount [\d.]+ % \| used 1\.0 MiB "
                         r"of 64\.0 MiB \(1\.6 %\) \| dirty 1\.0 MiB \| destage .* \| throttle "
-                        r"off \| BACKING ok \| drops 0 \| errors BACKING 0 cache 0 destage 0 metadata 0$",
+                        r"off \| BACKING ok \| passthrough off \| drops 0 \| errors BACKING 0 "
+                        r"cache 0 destage 0 metadata 0$",
                         ln), ln
     assert any(int(re.search(r"read (\d+) IOPS", ln).group(1)) > 0 for ln in lines)
 

@@ -13,7 +13,8 @@ import pytest
 
 from tests.conftest import CTL, wait_until, pread_aligned
 
-pytestmark = pytest.mark.fuse
+# These count the reads the daemon answers: FUSE passthrough reads never reach it.
+pytestmark = [pytest.mark.fuse, pytest.mark.no_passthrough]
 
 EXT = 64 * 1024
 MiB = 1 << 20

@@ -47,6 +47,7 @@ def test_default_pool_keeps_every_extent_across_remount(make_mount, make_tmpfs):
     assert m.stats()["backing_read_ops"] == 0
 
 
+@pytest.mark.no_passthrough     # counts the hits the daemon answers
 def test_one_sequential_read_warms_random_reads(make_mount):
     m = make_mount()
     data = os.urandom(64 * MiB)
