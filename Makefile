@@ -34,8 +34,10 @@ demo: install
 demo-stop:
 	PYTHON=$(PYTHON) bash bench/demo.sh stop
 
+# Three workers on two cores: the mount tests mostly wait (on FUSE round trips, promotions,
+# destages, daemons starting and stopping), so the suite runs in about half the time.
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 3
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick

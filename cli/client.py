@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import socket
+import stat
 from typing import Callable, Iterator
 
 from cachefs.control import CONTROL_XATTR
@@ -13,7 +14,14 @@ from cachefs.errors import UserError
 
 
 def control_path(mountpoint: str) -> str:
-    if not os.path.isdir(mountpoint):
+    try:
+        is_dir = stat.S_ISDIR(os.stat(mountpoint).st_mode)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:     # (os.path.isdir says False: not a directory)
+            raise UserError(f"{mountpoint} is a dead FUSE mount (its daemon is gone); "
+                            f"run fusermount3 -u {mountpoint}.") from None
+        is_dir = False
+    if not is_dir:
         raise UserError(f"{mountpoint} is not a directory.")
     try:
         return os.fsdecode(os.getxattr(mountpoint, CONTROL_XATTR))
