@@ -24,7 +24,7 @@ import trio
 
 from . import oplog
 from . import mounttable
-from .backing import Backing, open_root
+from .backing import LOCAL_FS_TYPES, Backing, fs_type, open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer, socket_path
@@ -104,8 +104,16 @@ class Daemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.stats = Stats()
-        self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s,
-                               open_root(cfg.backing), BackingHealth(self.stats))
+        root = open_root(cfg.backing)
+        try:
+            local = LOCAL_FS_TYPES.get(fs_type(root))
+        except OSError:
+            local = None
+        self.backing = Backing(cfg.backing_threads, cfg.backing_timeout_s, root,
+                               BackingHealth(self.stats), inline=local is not None)
+        log.info("BACKING is %s", f"on a local {local} filesystem: its metadata calls run "
+                 "on the event loop" if local else "not on a local filesystem: every call "
+                 "runs in a worker thread, with timeouts for reads")
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = socket_path(cfg.cache_dir, cfg.stats_group)
         self.clean_start = True
