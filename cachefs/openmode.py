@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import trio
 
 from . import mounttable
+from .backing import fs_type
 from .config import EXT_SIZE
 from .extents import CachedFile
 from .hit import OpenFile
@@ -106,7 +107,11 @@ def unavailable_reason(cfg, kernel: Kernel, has_cap=None) -> str | None:
         return ("the daemon lacks CAP_SYS_ADMIN (in the initial user namespace), which the "
                 "kernel requires for it")
     try:
-        f_type = _statfs_type(cfg.cache_dir)
+        fd = os.open(cfg.cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            f_type = fs_type(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
         return f"cannot statfs the cache directory ({exc.strerror})"
     if f_type in (FUSE_SUPER_MAGIC, OVERLAYFS_SUPER_MAGIC):
@@ -402,20 +407,6 @@ def _has_cap_sys_admin() -> bool:
     except OSError:
         pass
     return os.geteuid() == 0
-
-
-def _statfs_type(path: str) -> int:
-    import ctypes
-    from .libc import libc
-
-    class StatFs(ctypes.Structure):
-        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
-
-    buf = StatFs()
-    if libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return buf.f_type
 
 
 def fuse_device(real_mountpoint: str) -> tuple[int, int] | None:
