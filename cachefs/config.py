@@ -73,6 +73,8 @@ class Config:
     debug: bool = False
     check_invariants: bool = False        # check the extent map after every change (tests)
     passthrough: bool = True              # FUSE passthrough for fully cached read-only opens
+    passthrough_odirect: bool = False     # ... O_DIRECT ones too where BACKING takes any
+                                          # alignment (unaligned reads then fail: EINVAL)
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted
     max_pinned_pct: float = 50.0          # share of the pool `cachefs-ctl pin` may hold

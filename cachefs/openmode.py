@@ -215,7 +215,7 @@ class OpenModes:
         unaligned read BACKING would serve must not fail here; NFS takes any)."""
         b_mem, b_off = of.dio_align
         if not b_mem or not b_off:
-            return False
+            return self._cfg.passthrough_odirect    # BACKING takes any: only if asked to
         if self._cache_dio is None:
             try:
                 self._cache_dio = dio_align(self._s.cachefiles.fd(cf))

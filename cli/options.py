@@ -67,6 +67,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="never answer an open with FUSE passthrough (by default a read-only "
                    "open of a fully cached file is served by the kernel from the cache file "
                    "when the kernel, libfuse and privileges allow it; -o no_passthrough)")
+    p.add_argument("--passthrough-odirect", action="store_true",
+                   help="let read-only O_DIRECT opens of fully cached files use FUSE "
+                   "passthrough also where BACKING accepts unaligned direct I/O (NFS, FUSE): "
+                   "such reads must then be aligned as on a local disk, or fail with EINVAL "
+                   "(-o passthrough_odirect)")
     p.add_argument("--check-invariants", action="store_true", help="after every change of "
                    "the extent map, check the invariants of docs/concurrency.md (costs CPU; "
                    "for tests and bug hunts: a violation stops the daemon with the reason)")
@@ -121,7 +126,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """Merge flags and -o options into a Config; raises UserError on a bad value."""
     values, fuse = _gather(args)
     no_passthrough = "no_passthrough" in fuse
-    fuse = [o for o in fuse if o != "no_passthrough"]
+    odirect = "passthrough_odirect" in fuse
+    fuse = [o for o in fuse if o not in ("no_passthrough", "passthrough_odirect")]
     for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
         if not path.strip():
             raise UserError(f"{what} is empty; give a directory.")
@@ -135,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         debug=bool(getattr(args, "debug", False)),
         check_invariants=bool(getattr(args, "check_invariants", False)),
         passthrough=bool(getattr(args, "passthrough", True)) and not no_passthrough,
+        passthrough_odirect=bool(getattr(args, "passthrough_odirect", False)) or odirect,
     )
     if "mode" in values:
         kw["mode"] = values["mode"]
@@ -199,4 +206,6 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv.append("--check-invariants")
     if not cfg.passthrough:
         argv.append("--no-passthrough")
+    if cfg.passthrough_odirect:
+        argv.append("--passthrough-odirect")
     return argv + [cfg.backing, cfg.mountpoint]

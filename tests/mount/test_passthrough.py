@@ -14,7 +14,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -422,3 +424,40 @@ def test_write_back_write_with_the_pool_full_of_held_files_goes_to_backing(make_
         assert pread_all(r, len(data)) == data
     finally:
         os.close(r)
+
+
+def test_o_direct_goes_passthrough_only_where_backing_is_as_strict(make_mount):
+    """A passthrough open reads the cache file with the reader's O_DIRECT. BACKING on tmpfs
+    takes unaligned direct reads: there an O_DIRECT read-only open stays on the daemon (an
+    unaligned read works, as on BACKING), unless --passthrough-odirect asks for passthrough
+    (then reads must be aligned as on a local disk)."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm (tmpfs) for a BACKING without O_DIRECT alignment rules")
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cachefs-test-"))
+    try:
+        data = os.urandom(MiB)
+        for name, args, passthrough in (("strict", [], False),
+                                        ("odirect", ["--passthrough-odirect"], True)):
+            (shm / name).mkdir()
+            (shm / name / "f").write_bytes(data)
+            m = make_mount(*args, backing=shm / name, name=name)
+            cache_fully(m, "f", len(data))
+            before = m.stats()["passthrough_opens"]
+            fd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
+            try:
+                assert (m.stats()["passthrough_opens"] > before) == passthrough, name
+                assert pread_aligned(fd, MiB, 0) == data
+                if passthrough:
+                    with pytest.raises(OSError) as err:
+                        os.pread(fd, 100, 1)                # unaligned: refused
+                    assert err.value.errno == errno.EINVAL
+                else:
+                    assert os.pread(fd, 100, 1) == data[1:101]   # as BACKING takes it
+            finally:
+                os.close(fd)
+            m.stop()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
