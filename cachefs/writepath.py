@@ -173,7 +173,7 @@ class WritePath:
         end = off + len(data)
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
         await self._destager.throttle(len(data))
-        overtaken = 0
+        overtaken = filled = 0
         while True:
             if self._s.ssd_full():
                 return await self._write_around(of, off, data)
@@ -200,6 +200,17 @@ class WritePath:
                     # an eviction got in: look again at once (a few times, then go around).
                     overtaken += 1
                     if overtaken > 3:
+                        return await self._write_around(of, off, data)
+                else:
+                    # Filled, yet a partial block is still not valid: in a pool full of dirty
+                    # data, installing the extent of one end of the write evicted the other
+                    # end's, or BACKING returned less than cachefs takes its size to be.
+                    # BACKING takes the write (writes_around) rather than this loop spinning
+                    # (it did: a write-back model test hung, every await a bare checkpoint).
+                    filled += 1
+                    if filled > 1:
+                        log.debug("inode %d: the fills of a partial-block write at %d did "
+                                  "not stay; it goes to BACKING", cf.ino, off)
                         return await self._write_around(of, off, data)
                 continue
             missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
