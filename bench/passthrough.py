@@ -110,6 +110,36 @@ class Passthrough(pyfuse3.Operations):
         except OSError as exc:
             raise FUSEError(exc.errno) from None
 
+    async def rename(self, parent_old, name_old, parent_new, name_new, flags, ctx):
+        new = self._child(parent_new, name_new)
+        try:
+            os.rename(self._child(parent_old, name_old), new)
+            self._attrs(os.lstat(new), new)        # the inode's path is now the new one
+        except OSError as exc:
+            raise FUSEError(exc.errno) from None
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        path = self._child(parent_inode, name)
+        try:
+            os.symlink(target, path)
+        except OSError as exc:
+            raise FUSEError(exc.errno) from None
+        return self._stat(path)
+
+    async def readlink(self, inode, ctx):
+        try:
+            return os.readlink(self._paths[inode])
+        except OSError as exc:
+            raise FUSEError(exc.errno) from None
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        path = self._child(new_parent_inode, new_name)
+        try:
+            os.link(self._paths[inode], path)
+        except OSError as exc:
+            raise FUSEError(exc.errno) from None
+        return self._stat(path)
+
     async def statfs(self, ctx):
         sv = os.statvfs(self._paths[ROOT_INODE])
         out = pyfuse3.StatvfsData()

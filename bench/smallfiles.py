@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Small files through cachefs (issue 16, item 7): `tar x` of 757 small files (Python's
 `encodings`, `email`, `asyncio` and `json` packages, with their __pycache__) and `git clone`
-of a local repository of a few thousand files, into the plain BACKING directory and into
-cachefs over it (write-through and write-back), in one run.
+of a local repository of a few thousand files, into the plain BACKING directory, through the
+bare pyfuse3 passthrough (bench/passthrough.py: what Python FUSE costs with no cache logic)
+and into cachefs over it (write-through and write-back), in one run.
 
     python3 bench/smallfiles.py [--rounds N] [--clone-files N]
 
@@ -67,12 +68,20 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def mount(backing: str, cache: str, mnt: str, mode: str) -> None:
-    run([sys.executable, "-m", "cachefs_cli.main", "mount", "--mode", mode, "--cache-dir",
+def mount(backing: str, cache: str, mnt: str, target: str) -> None:
+    if target == "bare":                        # the bare pyfuse3 passthrough: Python FUSE's floor
+        run([sys.executable, os.path.join(HERE, "passthrough.py"), "mount", backing, mnt])
+        return
+    run([sys.executable, "-m", "cachefs_cli.main", "mount", "--mode", target, "--cache-dir",
          cache, backing, mnt])
 
 
-def umount(mnt: str) -> None:
+def umount(mnt: str, target: str) -> None:
+    if target == "bare":
+        run(["fusermount3", "-u", mnt])
+        while any(line.split()[1] == mnt for line in open("/proc/self/mounts")):
+            time.sleep(0.02)
+        return
     run([sys.executable, "-m", "cachefs_cli.main", "umount", mnt])
 
 
@@ -80,7 +89,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clone-files", type=int, default=3000)
-    ap.add_argument("--modes", default="write-through,write-back")
+    ap.add_argument("--modes", default="bare,write-through,write-back",
+                    help="targets beside the plain directory; bare is bench/passthrough.py")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="cachefs-small.", dir="/var/tmp")
     try:
@@ -109,7 +119,7 @@ def main() -> int:
                         t = timed(cmd(dst))
                     finally:
                         if target != "plain":
-                            umount(dst)
+                            umount(dst, target)
                     results.setdefault(op, {}).setdefault(target, []).append(t)
                     shutil.rmtree(base)
         print(f"tar x: {len(PACKAGES)} stdlib packages, 757 files; git clone: a local "

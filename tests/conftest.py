@@ -110,12 +110,22 @@ class Mount:
                  *passthrough_args(self.args), *self.args, str(self.backing), str(self.mnt)],
                 stdout=f,
                 stderr=subprocess.STDOUT)
-        wait_until(lambda: is_mounted(self.mnt), 20, self.proc, "the mount")
+        try:
+            wait_until(lambda: is_mounted(self.mnt), 20, self.proc, "the mount")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its log ends:\n{log.read_text(errors='replace')[-3000:]}")
         return self
 
     def stop(self, check: bool = True) -> None:
         """Unmount cleanly and wait for the daemon to persist and exit."""
         if self.proc is None:
+            return
+        if self.proc.poll() is not None:        # died already (the test said so): no unmount
+            rc = self.proc.returncode
+            self.proc = None
+            if check:
+                raise AssertionError(f"the daemon had exited with {rc}; its log ends:\n"
+                                     + self.logs[-1].read_text(errors="replace")[-3000:])
             return
         subprocess.run(["fusermount3", "-u", str(self.mnt)], check=check, capture_output=True)
         rc = self.proc.wait(timeout=60)
