@@ -18,7 +18,8 @@ from . import backing as bk
 from .backing import Backing
 from .coherence import Coherence
 from .config import Config
-from .extents import CachedFile, Extent
+from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, Extent
+from .integrity import recheck
 from .hit import OpenFile
 from .namespace import Namespace
 from .readpath import ReadPath
@@ -58,6 +59,7 @@ class Cache:
         self.stale_inodes = self.coherence.stale_inodes
         # the API of the parts, called directly (bound methods: no extra call per request)
         self.read_miss = self.reads.read_miss
+        self.read_damaged = self.reads.read_damaged
         self.run_promoter = self.reads.run_promoter
         self.run_readahead = self.reads.run_readahead
         self.write = self.writes.write
@@ -267,12 +269,33 @@ class Cache:
         for x, snap in plan:
             if cf.extents.get(x.ext) is not x:
                 continue                         # truncated or dropped meanwhile
-            self.state.map.clean(cf, x, snap & ~x.redirty)
+            self.state.map.clean(cf, x, snap & ~x.redirty & ~x.bad)
             if x.dirty:
                 still.append(x.key)
         if still:
             self.dirty.restamp(still, snapshot_s)
         self.coherence.own_change(cf, st, size_exact=False)
+
+    def damaged(self, cf: CachedFile, offsets: list[int], where: str) -> int:
+        """Blocks at `offsets` failed their checksums when a thread read them: those still
+        as they were (not rewritten, truncated or dropped since) and failing again now are
+        damage (integrity.Reports.found); returns how many of them are dirty."""
+        masks: dict[int, int] = {}
+        for off in offsets:
+            e = off >> EXT_SHIFT
+            masks[e] = masks.get(e, 0) | 1 << ((off >> BLK_SHIFT) & (BLKS_PER_EXT - 1))
+        bad = []
+        for e, m in masks.items():
+            x = cf.extents.get(e)
+            if x is not None and m & ~x.redirty:
+                m = recheck(cf.cache_fd, self.state.cache_path(cf.ino), x, m & ~x.redirty)
+                if m:
+                    bad.append((x, m))
+        return self.state.damage.found(cf, bad, where) if bad else 0
+
+    def damaged_dirty_blocks(self) -> int:
+        return sum(bin(cf.extents[e].bad).count("1") for (_, e), cf in self.state.map.bad.items()
+                   if e in cf.extents)
 
     def set_wb_fd(self, cf: CachedFile, fd: int) -> None:
         cf.wb_fd = fd

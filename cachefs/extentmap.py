@@ -33,6 +33,7 @@ from .config import EXT_SIZE
 from .dirty import DirtyIndex
 from .errors import InvariantError
 from .extents import BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask, runs
+from .integrity import recheck, restore_sums, resum
 from .persist import Persister
 from .store import MetadataStore
 
@@ -82,16 +83,23 @@ class ExtentMap:
         self.persister = persister
         self._cache_path = cache_path          # ino -> the cache file's path (checks only)
         self.check_all = check
+        # extents with dirty blocks found damaged on the SSD (integrity.py): key -> file
+        self.bad: dict[tuple[int, int], CachedFile] = {}
 
     # -- verbs -------------------------------------------------------------------------------
 
+    # Verbs that mark blocks valid after new bytes went into the cache file take their
+    # checksums from it (integrity.resum), in the same synchronous step as the write.
+
     def add(self, cf: CachedFile, e: int, valid: int = 0) -> Extent:
-        """A new extent of `cf` (its bytes are in the cache file already, or about to be
-        written before the next await)."""
+        """A new extent of `cf` (its valid blocks are in the cache file already; blocks
+        marked valid later get their checksums then)."""
         key = (cf.ino, e)
         if self.persister.punching(key):
             raise InvariantError(f"extent {key} added while its hole is being punched")
         x = cf.extents[e] = Extent(cf.ino, e, valid)
+        if valid:
+            self._resum(cf, x, valid)
         self.pool.insert(x)
         self.persister.reused(key)
         if len(cf.extents) == 1:
@@ -99,10 +107,12 @@ class ExtentMap:
         self._changed(cf, x)
         return x
 
-    def restore(self, cf: CachedFile, e: int, valid: int, dirty: int) -> Extent:
+    def restore(self, cf: CachedFile, e: int, valid: int, dirty: int, sums: bytes | None = None,
+                summed: int = 0) -> Extent:
         """An extent loaded from the store at mount: in the pool (as hot data) and the dirty
         index; the store has it already."""
         x = cf.extents[e] = Extent(cf.ino, e, valid)
+        restore_sums(x, sums, summed)
         self.pool.insert_main(x)
         self.persister.reused(x.key)
         if dirty:
@@ -110,15 +120,22 @@ class ExtentMap:
         return x
 
     def fill(self, cf: CachedFile, x: Extent, mask: int) -> None:
-        """Blocks `mask` now hold BACKING's bytes (a fill, a write-through update)."""
+        """Blocks `mask` now hold BACKING's bytes (a fill, a write-through update, the zeros
+        a truncation left in the block holding the end)."""
         x.valid |= mask
+        self._resum(cf, x, mask)
         self._changed(cf, x)
 
-    def write(self, cf: CachedFile, x: Extent, mask: int) -> None:
+    def write(self, cf: CachedFile, x: Extent, mask: int, whole: int = 0,
+              changed: bool = True) -> None:
         """Blocks `mask` now hold a write-back write's bytes: valid and dirty, and rewritten
-        since the destager's snapshot."""
+        since the destager's snapshot. `whole`: the blocks it rewrote entirely (damaged
+        ones among them are whole again); `changed` False: the bytes are as they were."""
         x.valid |= mask
         x.redirty |= mask
+        x.bad &= ~whole
+        if changed:
+            self._resum(cf, x, mask)
         self.dirty.set(cf, x, mask)
         self._changed(cf, x)
 
@@ -126,6 +143,29 @@ class ExtentMap:
         """Clean blocks of `mask` no longer match BACKING (a write went around them, BACKING
         changed); dirty blocks stay (they are the newest data)."""
         x.valid &= ~(mask & ~x.dirty)
+        self._changed(cf, x)
+
+    def unsummed(self, cf: CachedFile, x: Extent, known: bool) -> None:
+        """Something outside the engine may have written the extent (a shared writable
+        mapping of a held cache file): its checksums are unknown; `known` True: that
+        writer is gone, take them from the file as it is."""
+        x.summed = 0
+        if known:
+            self._resum(cf, x, x.valid)
+        self._changed(cf, x)
+
+    def _resum(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        held = cf.held
+        if held is not None and held.mapped_writable:
+            x.summed &= ~mask                   # a mapping may write them any time
+        else:
+            resum(cf.cache_fd, x, mask)
+
+    def damaged(self, cf: CachedFile, x: Extent, clean: int, dirty: int) -> None:
+        """Blocks that failed their checksums: the clean ones are forgotten (BACKING has
+        them), the dirty ones stay, marked bad (reads fail, never destaged)."""
+        x.valid &= ~(clean & ~x.dirty)
+        x.bad |= dirty & x.dirty
         self._changed(cf, x)
 
     def clean(self, cf: CachedFile, x: Extent, mask: int) -> None:
@@ -147,6 +187,7 @@ class ExtentMap:
         self.dirty.clear(cf, x, x.dirty)
         self.pool.remove(x)
         del cf.extents[x.ext]
+        self.bad.pop(x.key, None)
         cf.clobber(x.ext, x.ext)
         self.store.queue_drop_extent(cf.ino, x.ext)
         self.persister.evicted(x.key)
@@ -164,6 +205,7 @@ class ExtentMap:
         for x in list(cf.extents.values()):
             self.dirty.clear(cf, x, x.dirty)
             self.pool.remove(x)
+            self.bad.pop(x.key, None)
         cf.extents.clear()
         cf.clobber(0, 1 << 62)
         self.store.queue_drop_file(cf.ino)
@@ -179,7 +221,15 @@ class ExtentMap:
         if x.dirty & ~x.valid:
             raise InvariantError(f"extent {x.key}: dirty blocks {x.dirty:#x} not all valid "
                                  f"({x.valid:#x})")
-        self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty)
+        x.summed &= x.valid
+        if x.bad:
+            x.bad &= x.dirty                    # truncated or cleaned away: no longer lost
+            if x.bad:
+                self.bad[x.key] = cf
+            else:
+                self.bad.pop(x.key, None)
+        self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty, x.summed,
+                                x.sums.tobytes() if x.summed else None)
         self.persister.written(cf.ino)
         if self.check_all:
             self.check_extent(cf, x)
@@ -208,6 +258,10 @@ class ExtentMap:
             hole = self._hole_in(cf, x)
             if hole is not None:
                 problems.append(f"valid block at {hole} is a hole in the cache file")
+        if x.summed & ~x.bad and not problems:
+            wrong = recheck(cf.cache_fd, self._cache_path(cf.ino), x, x.summed & ~x.bad)
+            if wrong:
+                problems.append(f"blocks {wrong:#x} fail their checksums")
         if problems:
             raise InvariantError(f"extent {key}: " + "; ".join(problems))
 

@@ -56,7 +56,8 @@ def popcount(mask: int) -> int:
 class Extent:
     """One cached 64 KiB extent: its valid and dirty block bitmaps and eviction bookkeeping."""
 
-    __slots__ = ("ino", "ext", "valid", "dirty", "freq", "queue", "redirty")
+    __slots__ = ("ino", "ext", "valid", "dirty", "freq", "queue", "redirty", "sums", "summed",
+                 "bad")
 
     def __init__(self, ino: int, ext: int, valid: int = 0, dirty: int = 0):
         self.ino = ino
@@ -66,6 +67,9 @@ class Extent:
         self.freq = 0         # S3-FIFO access counter, 0..3
         self.queue = None     # which eviction queue holds it (policy's business)
         self.redirty = 0      # blocks written since the destager took its snapshot
+        self.sums = None      # array('I') of 16 block checksums (integrity.py), or None
+        self.summed = 0       # valid blocks whose checksum is known (a subset of valid)
+        self.bad = 0          # dirty blocks found damaged on the SSD (never destaged)
 
     @property
     def key(self) -> tuple[int, int]:

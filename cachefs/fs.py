@@ -26,6 +26,7 @@ from .cache import Cache
 from .config import Config
 from .handles import Handles
 from .inodes import ROOT_INODE, InodeTable
+from .integrity import Damaged
 from .openmode import Answer, Kernel
 
 log = logging.getLogger("cachefs.fs")
@@ -308,6 +309,11 @@ class Operations(pyfuse3.Operations):
                 data = await self._cache.read_miss(of, off, size)
                 of.miss_lat.add(perf_counter_ns() - t0)     # read_miss chose miss or bypass
                 return data
+        except Damaged as exc:                  # cached blocks failed their checksums
+            try:
+                return await self._cache.read_damaged(of, off, size, exc)
+            except OSError as err:
+                raise to_fuse_error(err) from None
         except OSError as exc:
             raise to_fuse_error(exc) from None
         of.stats.lat_hit.add(perf_counter_ns() - t0)

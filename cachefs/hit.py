@@ -2,16 +2,17 @@
 
 Owns `OpenFile` (one FUSE file handle: its BACKING fds, its cache state and its sequential
 stream). `read_hit` is the hot path (STYLE.md §1): a bitmap test, one `os.pread` on the cache
-file's descriptor opened at `open()`, counters; no await, lock, SQL, logging or temporaries.
+file's descriptor opened at `open()`, the blocks' checksums (integrity.read_checked: it
+raises Damaged, which fs.read hands to the slow path), counters; no await, lock, SQL or
+logging.
 Everything else about reads is in readpath.py.
 """
 
 from __future__ import annotations
 
-import os
-
 from . import readahead
 from .extents import CachedFile
+from .integrity import read_checked
 from .policy import SequentialDetector
 from .stats import Stats
 
@@ -47,12 +48,10 @@ class OpenFile:
         if off >= end or not cf.extents or not cf.covers(off, end):
             return None
         try:
-            data = os.pread(cf.cache_fd, end - off, off)
+            data = read_checked(cf, cf.cache_fd, off, end)
         except OSError:                     # the SSD failed us: BACKING still has the data
             self.stats.cache_errors += 1
             return None
-        if len(data) < end - off:           # past the cache file's end: zeros, as in a hole
-            data += bytes(end - off - len(data))
         self.seq.note(off, size)            # a stream stays a stream across cached parts
         st = self.stats
         st.read_ops += 1

@@ -8,6 +8,7 @@ its in-flight count. Extent installs and evictions are the cache state's.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import trio
@@ -17,6 +18,7 @@ from .config import EXT_SIZE
 from .extentmap import spans
 from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, runs
 from .hit import OpenFile
+from .integrity import Damaged, read_checked
 from .state import CacheState
 
 
@@ -47,6 +49,18 @@ class ReadPath:
         cached on first touch, sequential streams included. An empty pool costs nothing to
         fill, and one-touch data is the first to go (S3-FIFO's small queue)."""
         return len(self.pool) < self._s.capacity_exts * self.cfg.promote_all_below
+
+    async def read_damaged(self, of: OpenFile, off: int, size: int, exc: Damaged) -> bytes:
+        """A read that met cached blocks failing their checksums: clean ones are dropped
+        and read from BACKING; a dirty one fails the read with EIO (its data is lost)."""
+        for _ in range(8):                      # each round drops what it found
+            if self._s.damage.found(exc.cf, exc.bad, "read"):
+                raise OSError(errno.EIO, "dirty data damaged on the cache SSD")
+            try:
+                return await self.read_miss(of, off, size)
+            except Damaged as again:
+                exc = again
+        raise OSError(errno.EIO, "cached data keeps failing its checksums")
 
     async def read_miss(self, of: OpenFile, off: int, size: int) -> bytes:
         """Answer a read from BACKING; start promotion of extents that earned it."""
@@ -175,9 +189,7 @@ class ReadPath:
                 x = cf.extents.get(e)
                 if x is None or x.valid & m != m:
                     return None                 # evicted or written meanwhile
-                part = os.pread(fd, t - s, s)
-                if len(part) < t - s:           # past the cache file's end: a hole
-                    part += bytes(t - s - len(part))
+                part = read_checked(cf, fd, s, t)      # raises Damaged
             out += part
         of.seq.note(off, size)
         st = self.stats
@@ -333,7 +345,7 @@ class ReadPath:
             for b0, b1 in runs((x.dirty | was.get(e, 0)) & m):
                 bs = max(s, base + (b0 << BLK_SHIFT))
                 bt = min(t, base + (b1 << BLK_SHIFT))
-                buf[bs - off:bt - off] = os.pread(fd, bt - bs, bs)
+                buf[bs - off:bt - off] = read_checked(cf, fd, bs, bt)   # raises Damaged
         self.cachefiles.close_idle(cf)
         return bytes(buf)
 

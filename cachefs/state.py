@@ -24,6 +24,7 @@ from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
 from .extentmap import ExtentMap
 from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, block_mask, identity, runs
+from .integrity import Reports, lost_blocks
 from .persist import NO_SPACE, Persister
 from .policy import Admission, Clock, S3Fifo
 from .stats import Stats
@@ -53,6 +54,7 @@ class CacheState:
         self.persister = Persister(store, self.cachefiles, stats, self, cfg.commit_interval_s)
         self.map = ExtentMap(self.files, self.pool, self.dirty, store, self.persister,
                              self.cachefiles.path, check=cfg.check_invariants)
+        self.damage = Reports(stats, self.map)    # blocks failing their checksums
         self._ssd_full_until = 0.0
         self._shrink_at_s = -1e9
         self._ssd_warned_s = -1e9
@@ -72,10 +74,16 @@ class CacheState:
             cf.recovered = not clean_stop
         doubt = set() if clean_stop else self.store.journal.read()
         over = 0
-        for ino, ext, valid, dirty in extents:
+        for ino, ext, valid, dirty, summed, sums in extents:
             cf = self.files.get(ino)
             if (ino, ext) in doubt:
                 dirty |= valid
+            if not clean_stop:
+                # Dirty blocks may have been rewritten after the last commit of their
+                # checksums: unknown until written again or verified (a false mismatch
+                # would fail reads of good data with EIO). Clean blocks keep theirs: a
+                # mismatch there costs one read of BACKING.
+                summed &= ~dirty
             if cf is None or not valid:
                 self.store.queue_drop_extent(ino, ext)        # names no cached data
                 continue
@@ -84,7 +92,7 @@ class CacheState:
                 self.persister.evicted((ino, ext))
                 over += 1
                 continue
-            self.map.restore(cf, ext, valid, dirty)
+            self.map.restore(cf, ext, valid, dirty, sums, summed)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -368,4 +376,5 @@ class CacheState:
             "files_cached": sum(1 for cf in self.files.values() if cf.extents),
             "metadata_pending": self.store.pending(),
             "metadata_commits": self.store.commits,
+            **lost_blocks(self.map.bad),
         }

@@ -38,6 +38,9 @@ COUNTERS = (
     "drop_capacity",                       # beyond the pool size at mount
     "drop_operator",                       # cachefs-ctl drop
     "drop_cache_error",                    # the SSD failed a read or write of the extent
+    "drop_checksum",                       # extents with clean blocks failing their checksums
+    # integrity.py: cached blocks failing their checksums, and blocks checked by verify/scrub
+    "checksum_errors", "checksum_dirty_errors", "verified_blocks",
     "prefetched_bytes",                    # loaded by cachefs-ctl prefetch/pin and pin re-loads
     "pin_reloads",                         # pinned files re-loaded after their data was dropped
     "pins_lost",                           # pins removed because the file was unlinked or gone
@@ -52,7 +55,7 @@ COUNTERS = (
                                            # made dirty (write-back) or copied to BACKING
     "drop_skipped_passthrough",            # extents cachefs-ctl drop left: held by passthrough
 )
-DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error")
+DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error", "checksum")
 
 
 class Stats:

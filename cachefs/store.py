@@ -22,7 +22,7 @@ import trio
 from .errors import UserError
 from .journal import DoubtJournal
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 
 # meta: key/value facts about this cache directory.
@@ -52,6 +52,9 @@ RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 #   ext          extent index: bytes [ext*64 KiB, (ext+1)*64 KiB)
 #   valid        bitmap of 4 KiB blocks holding BACKING's bytes (bit i = block i)
 #   dirty        bitmap of blocks newer than BACKING (write-back; 0 in write-through)
+#   summed       bitmap of valid blocks whose checksum is known (schema 4; 0 for extents of
+#                older caches: checksummed by the next write or `cachefs-ctl verify`)
+#   sums         16 little-endian uint32 block checksums (integrity.py), or NULL
 # pins: one row per pinned BACKING file (`cachefs-ctl pin`; schema 3). Its extents are never
 #   evicted and are re-loaded when dropped; a row goes with `unpin`, `drop --pinned`, or when
 #   the file is unlinked or can no longer be found. Written at once (operator commands only).
@@ -68,6 +71,7 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE TABLE IF NOT EXISTS extents (
     ino INTEGER NOT NULL, ext INTEGER NOT NULL,
     valid INTEGER NOT NULL, dirty INTEGER NOT NULL DEFAULT 0,
+    summed INTEGER NOT NULL DEFAULT 0, sums BLOB,
     PRIMARY KEY (ino, ext)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS pins (
     ino INTEGER PRIMARY KEY, path BLOB NOT NULL, size INTEGER NOT NULL);
@@ -83,7 +87,7 @@ class MetadataStore:
         self._db: sqlite3.Connection | None = None
         self._dropped: set[int] = set()                # files whose rows go first
         self._files: dict[int, tuple[int, int, int, bytes | None, int]] = {}
-        self._extents: dict[tuple[int, int], tuple[int, int] | None] = {}
+        self._extents: dict[tuple[int, int], tuple | None] = {}
         self._meta: dict[str, str | None] = {}         # meta rows to set (None: delete)
         self.commits = 0
         self.last_commit_s = 0.0
@@ -113,6 +117,9 @@ class MetadataStore:
                 db.execute("ALTER TABLE files ADD COLUMN path BLOB")
                 db.execute("ALTER TABLE files ADD COLUMN lsize INTEGER")
             # 2 -> 3: the pins table, created empty by _SCHEMA above.
+            if 1 <= version < 4:
+                db.execute("ALTER TABLE extents ADD COLUMN summed INTEGER NOT NULL DEFAULT 0")
+                db.execute("ALTER TABLE extents ADD COLUMN sums BLOB")
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             meta = dict(db.execute("SELECT key, value FROM meta"))
         except sqlite3.DatabaseError as exc:
@@ -187,15 +194,16 @@ class MetadataStore:
                                  [(f"lifetime.{k}", str(v)) for k, v in totals.items()])
 
     def load(self) -> tuple[dict[int, tuple[int, int, int, bytes | None, int]],
-                            list[tuple[int, int, int, int]]]:
+                            list[tuple]]:
         """All files (ino -> (size, mtime_ns, ctime_ns, path, lsize)) and extents
-        (ino, ext, valid, dirty)."""
+        (ino, ext, valid, dirty, summed, sums)."""
         try:
             with self._lock:
                 files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
                          for ino, size, mt, ct, path, lsize in self._db.execute(
                              "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
-                extents = list(self._db.execute("SELECT ino, ext, valid, dirty FROM extents"))
+                extents = list(self._db.execute(
+                    "SELECT ino, ext, valid, dirty, summed, sums FROM extents"))
         except sqlite3.DatabaseError as exc:
             raise UserError(f"the metadata database {self.path} is corrupt ({exc}); move the "
                             "cache directory away to start a cold cache (dirty write-back "
@@ -246,8 +254,9 @@ class MetadataStore:
         for key in [k for k in self._extents if k[0] == ino]:
             del self._extents[key]
 
-    def queue_extent(self, ino: int, ext: int, valid: int, dirty: int) -> None:
-        self._extents[(ino, ext)] = (valid, dirty)
+    def queue_extent(self, ino: int, ext: int, valid: int, dirty: int, summed: int = 0,
+                     sums: bytes | None = None) -> None:
+        self._extents[(ino, ext)] = (valid, dirty, summed, sums)
 
     def queue_drop_extent(self, ino: int, ext: int) -> None:
         self._extents[(ino, ext)] = None
@@ -350,7 +359,7 @@ class MetadataStore:
                            [(ino, *v) for ino, v in files.items()])
             db.executemany("DELETE FROM extents WHERE ino=? AND ext=?",
                            [k for k, v in extents.items() if v is None])
-            db.executemany("INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?)",
+            db.executemany("INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?, ?, ?)",
                            [(*k, *v) for k, v in extents.items() if v is not None])
             db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                            [(k, v) for k, v in meta.items() if v is not None])

@@ -32,11 +32,12 @@ import trio
 from . import aio
 from . import backing as bk
 from .backing import Backing
-from .config import EXT_SIZE, Config, format_size
+from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .statx import fresh_fstat
 from .dirty import DirtyIndex
 from .errors import CommandFailed
-from .extents import BLK_SHIFT, EXT_SHIFT, block_mask, runs
+from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, block_mask, runs
+from .integrity import block_sum
 from .oplog import RateLimitedLog
 from .stats import Stats
 
@@ -74,10 +75,13 @@ def plan_destage(cf: "CachedFile", max_bytes: int, start_ext: int = 0
         base = e << EXT_SHIFT
         # Only blocks below the logical size are written, so only they may turn clean;
         # a dirty block past it would be a bug, and it stays dirty rather than vanish.
-        snap = x.dirty & block_mask(0, min(cf.size - base, EXT_SIZE))
-        if snap != x.dirty:
+        # Blocks found damaged on the SSD (x.bad) are never written to BACKING.
+        snap = x.dirty & ~x.bad & block_mask(0, min(cf.size - base, EXT_SIZE))
+        if snap != x.dirty & ~x.bad:
             log.error("inode %d extent %d: dirty blocks past the file's size %d",
                       cf.ino, e, cf.size)
+        if not snap:
+            continue
         plan.append((x, snap))
         x.redirty = 0
         for b0, b1 in runs(snap):
@@ -121,6 +125,8 @@ class Engine(Protocol):
     async def persist(self, durable: bool = False) -> None: ...
     def destage_done(self, cf: "CachedFile", plan: "list[tuple[Extent, int]]",
                      st: os.stat_result, snapshot_s: float) -> None: ...
+    def damaged(self, cf: "CachedFile", offsets: list[int], where: str) -> int: ...
+    def damaged_dirty_blocks(self) -> int: ...
 
 
 class Destager:
@@ -236,6 +242,9 @@ class Destager:
                 continue
             cf = cache.files.get(ino)
             if cf is not None:
+                x = cf.extents.get(ext)
+                if x is not None and not x.dirty & ~x.bad:
+                    continue                    # only damaged blocks: nothing to destage
                 return cf, ext
         return None, 0
 
@@ -261,12 +270,16 @@ class Destager:
                     return
                 cache.set_wb_fd(cf, fd)
             plan, runs = cache.destage_plan(cf, BATCH_BYTES, start_ext)
+            if not plan:
+                cache.destage_failed(cf)         # nothing but damaged blocks
+                return
             t0 = time.monotonic()                # no await since the snapshot: its time
             nbytes = sum(n for _, n in runs)
+            sums = expected_sums(cf, runs)
             t0_ns = time.perf_counter_ns()
             try:
-                st = await self._backing.write_call(_destage_io, cache.cache_path(cf.ino),
-                                                    cf.wb_fd, runs)
+                st, damaged = await self._backing.write_call(
+                    _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums)
                 self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
             except BaseException as exc:
                 cache.destage_failed(cf)
@@ -274,6 +287,8 @@ class Destager:
                     raise
                 self._failed(cf, exc)
                 return
+            if damaged:                          # left out of the write: never to BACKING
+                cache.damaged(cf, damaged, "destage")
             cache.destage_done(cf, plan, st, t0)
         self._backoff.pop(cf.ino, None)
         elapsed = max(time.monotonic() - t0, 1e-6)
@@ -320,6 +335,12 @@ class Destager:
                         f"{format_size(cache.dirty_bytes())} still dirty"
                         + (f"; last error: {self.last_error}" if self.last_error else "")
                         + ".")
+                lost = cache.damaged_dirty_blocks()
+                if lost and cache.dirty.blocks <= lost:
+                    raise CommandFailed(
+                        f"{lost} dirty blocks ({format_size(lost * BLK_SIZE)}) are damaged on "
+                        "the cache SSD and cannot be destaged (`cachefs-ctl stats` names "
+                        "them; rewriting them whole or removing their files clears them).")
                 if (self.last_error and self.last_error_s > start
                         and time.monotonic() - self.last_progress_s > 5):
                     raise CommandFailed(f"{self.last_error}; "
@@ -339,13 +360,29 @@ class Destager:
 CHUNK = 1 << 20                 # largest single BACKING write of a destage pass
 
 
-def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]]) -> os.stat_result:
-    """Copy runs from the cache file to BACKING, then make BACKING durable (one thread call).
+def expected_sums(cf: "CachedFile", runs: list[tuple[int, int]]) -> dict[int, int]:
+    """The checksums of the blocks a destage pass reads (offset -> sum), where known."""
+    sums = {}
+    for off, size in runs:
+        for b in range(off, off + size, BLK_SIZE):
+            x = cf.extents.get(b >> EXT_SHIFT)
+            i = (b >> BLK_SHIFT) & (BLKS_PER_EXT - 1)
+            if x is not None and x.summed >> i & 1:
+                sums[b] = x.sums[i]
+    return sums
+
+
+def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dict[int, int]
+                ) -> tuple[os.stat_result, list[int]]:
+    """Copy runs from the cache file to BACKING, then make BACKING durable (one thread call);
+    returns BACKING's stat and the offsets of blocks left out because they failed their
+    checksums (garbage never reaches BACKING).
 
     The runs go out together through AIO (BACKING serves them in parallel; a FUSE BACKING
     would otherwise take them one at a time), then one fdatasync covers them all.
     """
     items = []
+    damaged = []
     cfd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for off, size in runs:
@@ -354,7 +391,7 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]]) -> os.sta
                 data = os.pread(cfd, n, o)
                 if len(data) < n:                    # a hole at the cache file's end
                     data += bytes(n - len(data))
-                items.append((data, o))
+                items += _checked(data, o, sums, damaged)
     finally:
         os.close(cfd)
     direct = aio.open_direct(fd)
@@ -364,7 +401,34 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]]) -> os.sta
         if direct >= 0:
             os.close(direct)
     os.fdatasync(fd)
-    return fresh_fstat(fd)             # BACKING's own attributes, not the kernel's cached ones
+    return fresh_fstat(fd), damaged    # BACKING's own attributes, not the kernel's cached ones
+
+
+def _checked(data: bytes, off: int, sums: dict[int, int], damaged: list[int]
+             ) -> list[tuple[bytes, int]]:
+    """`data` (read at the block-aligned `off`) as items to write, without the blocks whose
+    bytes fail their checksums (appended to `damaged`). The last block may be cut at the
+    file's end: the cache file holds zeros past it, so it is checked padded."""
+    view = memoryview(data)
+    items = []
+    start = 0
+    for i in range(0, len(data), BLK_SIZE):
+        want = sums.get(off + i)
+        if want is None:
+            continue
+        blk = view[i:i + BLK_SIZE]
+        if len(blk) < BLK_SIZE:
+            blk = bytes(blk) + bytes(BLK_SIZE - len(blk))
+        if block_sum(blk) != want:
+            damaged.append(off + i)
+            if i > start:
+                items.append((view[start:i], off + start))
+            start = i + BLK_SIZE
+    if start == 0:
+        return [(data, off)]
+    if start < len(data):
+        items.append((view[start:], off + start))
+    return items
 
 
 def _open_by_ino(root: int, root_paths: tuple[bytes, ...], hint: bytes | None, ino: int

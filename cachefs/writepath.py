@@ -115,11 +115,13 @@ class WritePath:
         """Write-back: every cached block of a held file counts as written (a shared
         writable mapping of its cache file may change any of them): dirty, so the destager
         copies the cache file's bytes to BACKING. Write-through copies at the end
-        (sync_back)."""
-        if not self.write_back:
-            return
+        (sync_back). In both modes the blocks' checksums are unknown until then."""
         cf = of.cfile if of is not None else None
         if cf is None:
+            return
+        for x in list(cf.extents.values()):
+            self._s.map.unsummed(cf, x, known=False)
+        if not self.write_back:
             return
         self._dirty_all(cf)
         if cf.wb_fd < 0 and of is not None and of.flags & os.O_ACCMODE != os.O_RDONLY:
@@ -133,12 +135,14 @@ class WritePath:
             m = x.valid & ~x.dirty
             if m:
                 self.persister.journal_dirtying(x.key)
-                self._s.map.write(cf, x, m)
+                self._s.map.write(cf, x, m, changed=False)
 
     async def sync_back(self, cf: CachedFile) -> None:
         """The end of a held file a shared writable mapping may have changed: write-back
         makes its blocks dirty again; write-through copies the cache file to BACKING."""
         self.stats.passthrough_syncs += 1
+        for x in list(cf.extents.values()):
+            self._s.map.unsummed(cf, x, known=True)     # as the mapping left them
         if self.write_back:
             self._dirty_all(cf)
             return
@@ -272,11 +276,12 @@ class WritePath:
         pwrite_all(fd, data, off)
         if end > cf.size:
             cf.size = end
-        for e, _, _, m in spans(off, end):
+        for e, s, t, m in spans(off, end):
             x = cf.extents.get(e)
             if x is None:
                 x = self._s.map.add(cf, e)
-            self._s.map.write(cf, x, m)
+            base = e << EXT_SHIFT
+            self._s.map.write(cf, x, m, whole=covered_mask(s - base, t - base, cf.size - base))
         self._s.persist_identity(cf)
 
     async def _write_around(self, of: OpenFile, off: int, data: bytes) -> int:
@@ -306,7 +311,8 @@ class WritePath:
                     bs = max(s, base + (b0 << BLK_SHIFT))
                     bt = min(t, base + (b1 << BLK_SHIFT))
                     pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
-                    self._s.map.write(cf, x, block_mask(bs - base, bt - base))
+                    self._s.map.write(cf, x, block_mask(bs - base, bt - base),
+                                      whole=covered_mask(bs - base, bt - base, cf.size - base))
                 self._s.map.invalidate(cf, x, m)
             cf.writes_inflight += 1
             try:
@@ -521,7 +527,11 @@ class WritePath:
         try:
             self.cachefiles.truncate(cf, size)
         except FileNotFoundError:
-            pass
+            return
+        x = cf.extents.get(size >> EXT_SHIFT)
+        bit = 1 << ((size & (EXT_SIZE - 1)) >> BLK_SHIFT)
+        if size & (BLK_SIZE - 1) and x is not None and x.valid & bit:
+            self._s.map.fill(cf, x, bit)        # the block holding the end: zeros past it now
 
     async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
                                ) -> os.stat_result:

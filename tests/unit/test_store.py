@@ -32,7 +32,7 @@ def test_batches_round_trip_and_drop_then_readd(tmp_path):
     s = _open(tmp_path)
     files, extents = s.load()
     assert files == {10: (8192, 5, 6, None, 9000)}
-    assert extents == [(10, 1, 0x3, 0)]
+    assert extents == [(10, 1, 0x3, 0, 0, None)]
 
 
 def test_clean_flag(tmp_path):
@@ -56,7 +56,7 @@ def test_corrupt_database_is_a_sentence(tmp_path):
         _open(tmp_path)
 
 
-def test_schema_2_migrates_to_3_with_pins(tmp_path):
+def test_schema_2_migrates_to_4_with_pins_and_unknown_checksums(tmp_path):
     import sqlite3
     db = sqlite3.connect(tmp_path / "cachefs.db")          # a cache directory of schema 2
     db.executescript("""
@@ -72,8 +72,12 @@ def test_schema_2_migrates_to_3_with_pins(tmp_path):
     """)
     db.close()
     s = _open(tmp_path)
-    assert s._db.execute("PRAGMA user_version").fetchone()[0] == 3
-    assert s.load() == ({7: (100, 1, 2, b"a", 100)}, [(7, 0, 1, 0)])
+    assert s._db.execute("PRAGMA user_version").fetchone()[0] == 4
+    # the extent keeps its data; its checksums are unknown (summed 0) until written again
+    assert s.load() == ({7: (100, 1, 2, b"a", 100)}, [(7, 0, 1, 0, 0, None)])
+    s.queue_extent(7, 0, 1, 0, 1, bytes(64))
+    s.commit(s.take_batch(), durable=True)
+    assert s.load()[1] == [(7, 0, 1, 0, 1, bytes(64))]
     assert s.load_pins() == []
     s.set_pins([(7, b"a", 100), (8, b"d/b", 5)])
     s.set_pins([(7, b"renamed", 100)])
@@ -115,5 +119,5 @@ async def test_commit_async_runs_off_the_event_loop_and_excludes_other_db_use(tm
         assert time.monotonic() - t0 >= 0.1
     assert ticks == 20 and order == ["commit", "pins"]
     assert s.load_pins() == [(1, b"f", 10)]
-    assert s.load()[1] == [(1, 0, 0xFFFF, 0)]
+    assert s.load()[1] == [(1, 0, 0xFFFF, 0, 0, None)]
     s.close(clean=True)
