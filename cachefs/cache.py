@@ -274,7 +274,17 @@ class Cache:
                 still.append(x.key)
         if still:
             self.dirty.restamp(still, snapshot_s)
+        if not cf.dirty_exts and cf.times is not None:
+            self.state.set_times(cf, None)          # BACKING has the data and the times
         self.coherence.own_change(cf, st, size_exact=False)
+
+    def times_set(self, ino: int, st) -> None:
+        """Write-back: BACKING just took explicit times (`st`, its stat after them) for a
+        file with dirty data; destaging the data would replace its mtime, so each destage
+        pass puts these back."""
+        cf = self.files.get(ino)
+        if self.write_back and cf is not None and cf.dirty_exts and st is not None:
+            self.state.set_times(cf, (st.st_atime_ns, st.st_mtime_ns))
 
     def damaged(self, cf: CachedFile, offsets: list[int], where: str) -> int:
         """Blocks at `offsets` failed their checksums when a thread read them: those still

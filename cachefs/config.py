@@ -74,6 +74,7 @@ class Config:
     check_invariants: bool = False        # check the extent map after every change (tests)
     passthrough: bool = True              # FUSE passthrough for fully cached read-only opens
     passthrough_odirect: bool = False     # ... O_DIRECT ones too where BACKING takes any
+    read_checksums: bool = True           # daemon hits check their blocks (integrity.py)
                                           # alignment (unaligned reads then fail: EINVAL)
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted

@@ -126,6 +126,14 @@ class ExtentMap:
         self._resum(cf, x, mask)
         self._changed(cf, x)
 
+    def rewritten(self, cf: CachedFile, x: Extent, mask: int) -> None:
+        """New bytes went into blocks `mask` that stay as valid (and dirty) as they were: a
+        write-through update or a mirror of a partial block a fill made valid meanwhile."""
+        mask &= x.valid
+        if mask:
+            self._resum(cf, x, mask)
+            self._changed(cf, x)
+
     def write(self, cf: CachedFile, x: Extent, mask: int, whole: int = 0,
               changed: bool = True) -> None:
         """Blocks `mask` now hold a write-back write's bytes: valid and dirty, and rewritten

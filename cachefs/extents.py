@@ -87,7 +87,7 @@ class CachedFile:
     __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
                  "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
-                 "shrinking", "held")
+                 "shrinking", "held", "verified", "times")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -113,6 +113,10 @@ class CachedFile:
         self.shrinking = None              # trio.Event while a write-back truncate commits
         self.held = None                   # openmode.Held while the kernel may read the
                                            # cache file itself (passthrough opens, mappings)
+        self.verified = True               # every block checked or written by this mount
+        self.times = None                  # write-back: (atime_ns, mtime_ns) set explicitly
+                                           # while dirty, put back on BACKING by destaging
+                                           # (False when loaded: verify.py before passthrough)
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""

@@ -176,6 +176,7 @@ class Operations(pyfuse3.Operations):
         self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
         if fields.update_mtime:
             self._attrs.mtime_set(inode)
+            self._cache.times_set(inode, st)
         elif fields.update_size:
             self._attrs.written(inode)
         return self._attr(st, inode)

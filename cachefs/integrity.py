@@ -127,9 +127,15 @@ def recheck(fd: int, path: str, x: Extent, mask: int) -> int:
     return damaged_blocks(x, data + bytes(EXT_SIZE - len(data)), base) & mask
 
 
+CHECK_READS = [True]             # --no-read-checksums sets it off (mount.py): measuring only
+
+
 def read_checked(cf: CachedFile, fd: int, off: int, end: int) -> bytes:
     """Bytes [off, end) of the cache file, every whole block under them checked against its
     checksum (the range is widened to block bounds for the check). Raises Damaged."""
+    if not CHECK_READS[0]:
+        data = os.pread(fd, end - off, off)
+        return data + bytes(end - off - len(data)) if len(data) < end - off else data
     a = off & ~_BLK_MASK
     z = (end + _BLK_MASK) & ~_BLK_MASK
     data = os.pread(fd, z - a, a)

@@ -22,7 +22,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from . import oplog
+from . import integrity, oplog
 from . import mounttable
 from .backing import LOCAL_FS_TYPES, Backing, fs_type, open_root
 from .cache import Cache
@@ -39,6 +39,7 @@ from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache
                         prepare_cache_dir, raise_fd_limit)
 from .stats import Stats
 from .store import MetadataStore
+from .verify import Verifier
 from .warm import Warm
 
 log = logging.getLogger("cachefs")
@@ -148,6 +149,9 @@ class Daemon:
         self.warm = Warm(self.cfg, self.cache, self.backing, self.store, self.stats, inodes)
         self.warm.load()
         self.cache.name_listener(self.warm)
+        self.verifier = Verifier(self.cache, self.backing, self.stats)
+        integrity.CHECK_READS[0] = self.cfg.read_checksums
+        self.cache.modes.verifier = self.verifier.want
         cache = self.cache
         self.history = History(self.stats, lambda: (cache.dirty_bytes(), cache.used_bytes()))
         log.info("cache %s: %s for %s, %d extents (%s) warm", self.cfg.cache_dir,
@@ -217,6 +221,15 @@ class Daemon:
     async def unpin_cmd(self, request: dict, progress) -> dict:
         return await self.warm.unpin(_paths(request))
 
+    async def verify_cmd(self, request: dict, progress) -> dict:
+        """Check cached blocks against their checksums (and BACKING): all, or the files
+        under `paths`."""
+        inos = None
+        if request.get("paths"):
+            inos = [t.ino for t in await self.warm.scan(_paths(request))]
+        return await self.verifier.verify(inos, bool(request.get("against_backing")),
+                                          progress)
+
     async def pid_cmd(self, request: dict, progress) -> dict:
         return {"pid": os.getpid()}
 
@@ -224,7 +237,8 @@ class Daemon:
         control = ControlServer(self.control_path, {
             "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd,
             "flush": self.flush_cmd, "prefetch": self.prefetch_cmd, "pin": self.pin_cmd,
-            "unpin": self.unpin_cmd, "history": self.history_cmd}, group=self.cfg.stats_group)
+            "unpin": self.unpin_cmd, "history": self.history_cmd, "verify": self.verify_cmd},
+            group=self.cfg.stats_group)
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -236,6 +250,7 @@ class Daemon:
                 await nursery.start(self.ops.run_closer)
                 await nursery.start(self.cache.destager.run)
                 await nursery.start(self.warm.run)
+                await nursery.start(self.verifier.run)
                 await nursery.start(self._run_lifetime_saver)
                 if self.metrics is not None:
                     await nursery.start(self.metrics.run)

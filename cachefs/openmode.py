@@ -136,6 +136,7 @@ class OpenModes:
         self._wake = trio.Event()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.completer = None       # (ino, path, size): load a file's missing extents (warm)
+        self.verifier = None        # (cf): verify a file loaded from an earlier mount (verify)
 
     def bind(self, kernel: Kernel) -> None:
         """The binding's passthrough calls (fs.py, before the mount)."""
@@ -186,6 +187,9 @@ class OpenModes:
             elif not self._eligible(cf):
                 why = "not fully cached"
                 self._complete(cf)
+            elif not cf.verified and self.verifier is not None:
+                why = "cached by an earlier mount, being verified first"
+                self.verifier(cf)
             else:
                 bid = self._register(cf)
                 if bid:

@@ -33,6 +33,7 @@ from .store import MetadataStore
 log = logging.getLogger("cachefs.cache")
 
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
+TIMES = "times:"             # meta key prefix of explicit times awaiting a destage
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
 
 
@@ -72,6 +73,7 @@ class CacheState:
             cf.path = path
             cf.size = lsize
             cf.recovered = not clean_stop
+            cf.verified = False
         doubt = set() if clean_stop else self.store.journal.read()
         over = 0
         for ino, ext, valid, dirty, summed, sums in extents:
@@ -93,6 +95,13 @@ class CacheState:
                 over += 1
                 continue
             self.map.restore(cf, ext, valid, dirty, sums, summed)
+        for key, value in self.store.meta_items(TIMES).items():
+            cf = self.files.get(int(key[len(TIMES):]))
+            if cf is not None and cf.dirty_exts:
+                a, m = value.split()
+                cf.times = (int(a), int(m))
+            else:
+                self.store.queue_meta(key, None)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -128,6 +137,15 @@ class CacheState:
         except OSError:
             return False
         return st is not None and identity(st) == cf.identity
+
+    def set_times(self, cf: CachedFile, times: tuple[int, int] | None) -> None:
+        """Write-back: explicit times for BACKING once the file's data is there (None: a
+        write or a truncate came since, or the file is clean: BACKING's own are right)."""
+        if times == cf.times:
+            return
+        cf.times = times
+        self.store.queue_meta(f"{TIMES}{cf.ino}", None if times is None else
+                              f"{times[0]} {times[1]}")
 
     def dirty_bytes(self) -> int:
         return self.dirty.bytes()

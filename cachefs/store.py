@@ -39,6 +39,9 @@ RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 #   lifetime.<counter>  (integer text) a stats counter summed over every mount of this cache
 #                directory up to its last save (each commit interval and unmount): the
 #                lifetime totals of `cachefs-ctl stats`; a missing key counts 0
+#   times:INO    write-back: "atime_ns mtime_ns" set explicitly (utimens: tar x, cp -p, rsync
+#                -t) on inode INO while it had dirty data; each destage pass of the file
+#                puts them back on BACKING after writing the data; deleted once it is clean
 #   lifetime.since  (float text) wall time (epoch seconds) the lifetime totals started
 # files: one row per BACKING inode with cached data.
 #   ino          BACKING st_ino (also the FUSE inode number and the cache file's name)
@@ -266,9 +269,12 @@ class MetadataStore:
         self._meta[key] = value
 
     def meta_keys(self, prefix: str) -> list[str]:
+        return list(self.meta_items(prefix))
+
+    def meta_items(self, prefix: str) -> dict[str, str]:
         with self._lock:
-            return [k for (k,) in self._db.execute("SELECT key FROM meta WHERE key >= ? AND "
-                                                   "key < ?", (prefix, prefix + "\uffff"))]
+            return dict(self._db.execute("SELECT key, value FROM meta WHERE key >= ? AND "
+                                         "key < ?", (prefix, prefix + "\uffff")))
 
     def pending(self) -> int:
         return len(self._dropped) + len(self._files) + len(self._extents) + len(self._meta)

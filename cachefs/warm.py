@@ -181,7 +181,7 @@ class Warm:
             raise CommandFailed(f"{rel} is outside the mount {self.cfg.mountpoint}.")
         return relb, relb
 
-    async def _scan(self, rels: list[str]) -> list[Target]:
+    async def scan(self, rels: list[str]) -> list[Target]:
         """The regular files named by `rels` (files or directory trees), BACKING's view."""
         found: dict[int, Target] = {}
         for rel in rels:
@@ -222,14 +222,14 @@ class Warm:
     async def prefetch(self, rels: list[str], progress: Callable[[dict], Awaitable[None]]
                        ) -> dict:
         """cachefs-ctl prefetch: load files now; evicts only unprotected clean data."""
-        targets = await self._scan(rels)
+        targets = await self.scan(rels)
         job = await self._load(targets, progress)
         return self._answer(targets, job, "prefetch")
 
     async def pin(self, rels: list[str], progress: Callable[[dict], Awaitable[None]]
                   ) -> dict:
         """cachefs-ctl pin: refuse beyond --max-pinned, record the pins, load the files."""
-        targets = await self._scan(rels)
+        targets = await self.scan(rels)
         new = [t for t in targets if t.ino not in self.pins]
         need = sum(_pool_bytes(t.size) for t in new)
         have = self.pinned_size()
@@ -272,7 +272,7 @@ class Warm:
                 if relb == b"." or pin.rel == relb or pin.rel.startswith(relb + b"/"):
                     gone.add(pin.ino)
             try:
-                targets = await self._scan([rel])
+                targets = await self.scan([rel])
             except CommandFailed:
                 continue
             gone.update(t.ino for t in targets if t.ino in self.pins)

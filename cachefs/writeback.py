@@ -279,7 +279,7 @@ class Destager:
             t0_ns = time.perf_counter_ns()
             try:
                 st, damaged = await self._backing.write_call(
-                    _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums)
+                    _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times)
                 self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
             except BaseException as exc:
                 cache.destage_failed(cf)
@@ -372,11 +372,12 @@ def expected_sums(cf: "CachedFile", runs: list[tuple[int, int]]) -> dict[int, in
     return sums
 
 
-def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dict[int, int]
-                ) -> tuple[os.stat_result, list[int]]:
+def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dict[int, int],
+                times: tuple[int, int] | None = None) -> tuple[os.stat_result, list[int]]:
     """Copy runs from the cache file to BACKING, then make BACKING durable (one thread call);
     returns BACKING's stat and the offsets of blocks left out because they failed their
-    checksums (garbage never reaches BACKING).
+    checksums (garbage never reaches BACKING). `times`: (atime_ns, mtime_ns) set explicitly
+    through the mount, put back after the data (which moved BACKING's mtime).
 
     The runs go out together through AIO (BACKING serves them in parallel; a FUSE BACKING
     would otherwise take them one at a time), then one fdatasync covers them all.
@@ -401,6 +402,8 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
         if direct >= 0:
             os.close(direct)
     os.fdatasync(fd)
+    if times is not None:
+        os.utime(fd, ns=times)
     return fresh_fstat(fd), damaged    # BACKING's own attributes, not the kernel's cached ones
 
 

@@ -107,6 +107,7 @@ class WritePath:
                 self._s.make_room(1)
                 x = self._s.map.add(cf, e)
             base = e << EXT_SHIFT
+            self._s.map.rewritten(cf, x, m)     # valid (partial, dirty) blocks it wrote into
             self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base)
                              & ~x.dirty)
         self._s.persist_identity(cf)
@@ -238,6 +239,8 @@ class WritePath:
                 raise
             self._s.ssd_failed(exc, "a write-back write")
             return await self._write_around(of, off, data)
+        if cf.times is not None:
+            self._s.set_times(cf, None)         # a write after the times: its time wins
         if cf.wb_fd < 0:
             cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
         self.stats.write_ops += 1
@@ -493,6 +496,7 @@ class WritePath:
                 self._s.map.remove(cf, x)
                 continue
             # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
+            self._s.map.rewritten(cf, x, ok)    # partial blocks a fill made valid meanwhile
             self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base) & ok)
 
     async def truncate(self, ino: int, size: int, path: bytes, fd: int | None
@@ -502,6 +506,8 @@ class WritePath:
         if cf is None:
             return await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
                                                  fd, size)
+        if cf.times is not None:
+            self._s.set_times(cf, None)         # the truncate sets BACKING's times itself
         async with self._s.file_lock(cf):
             return await self._truncate_locked(cf, size, path, fd)
 

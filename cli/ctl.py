@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("mountpoint", metavar="MOUNTPOINT")
     d.add_argument("--pinned", action="store_true", help="drop pinned data too, and the pins")
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    v = sub.add_parser("verify", help="check cached blocks against their checksums (all, or "
+                       "those of the named files and trees), with progress")
+    v.add_argument("mountpoint", metavar="MOUNTPOINT")
+    v.add_argument("paths", metavar="PATH", nargs="*", help="files or directories under it")
+    v.add_argument("--against-backing", action="store_true", help="also compare clean "
+                   "blocks with BACKING's bytes (reads BACKING)")
+    v.add_argument("--json", action="store_true", help="machine-readable output, no bar")
     for name, text in (("prefetch", "load files or directory trees into the cache now"),
                        ("pin", "keep files or directory trees resident (and load them now)"),
                        ("unpin", "let pinned files be evicted again")):
@@ -75,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             return top.run(args.mountpoint, args.interval, args.count)
         if args.command in ("prefetch", "pin", "unpin"):
             return cmd_warm(args)
+        if args.command == "verify":
+            return cmd_verify(args)
         return cmd_drop(args)
     except UserError as exc:
         print(f"cachefs-ctl: {exc}", file=sys.stderr)
@@ -183,6 +192,7 @@ def render(s: dict) -> str:
                    f"(limit {format_size(s['pinned_limit'])}); prefetched "
                    f"{format_size(s['prefetched_bytes'])}"),
         ("passthrough", passthrough_summary(s)),
+        ("integrity", integrity_summary(s)),
         ("BACKING health", health_summary(s.get("backing_health"))),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']} (full "
                    f"{s.get('cache_full_events', 0)}), metadata commits "
@@ -227,6 +237,75 @@ def cmd_flush(args: argparse.Namespace) -> int:
     else:
         print(f"flushed {format_size(moved)}; nothing is dirty")
     return 0
+
+
+def integrity_summary(s: dict) -> str:
+    """Checksum failures seen, and the dirty data damaged on the SSD (named)."""
+    text = (f"{s.get('checksum_errors', 0)} clean blocks failed their checksums (dropped), "
+            f"{s.get('checksum_dirty_errors', 0)} dirty; {s.get('verified_blocks', 0)} blocks "
+            "verified")
+    lost = s.get("lost") or []
+    if s.get("lost_dirty_blocks"):
+        text += (f"; LOST: {s['lost_dirty_blocks']} dirty blocks damaged on the SSD ("
+                 + ", ".join(f"{x['path']}@{x['offset']}" for x in lost[:5])
+                 + (", ..." if len(lost) > 5 else "") + ")")
+    return text
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every checked block is sound, 1 when anything was wrong."""
+    mnt = os.path.realpath(args.mountpoint)
+    rels = []
+    for path in args.paths:
+        if not os.path.lexists(path):
+            raise UserError(f"{path} does not exist.")
+        real = os.path.realpath(path)
+        if real != mnt and not real.startswith(mnt.rstrip("/") + "/"):
+            raise UserError(f"{path} is not under the mount {args.mountpoint}.")
+        rels.append(os.path.relpath(real, mnt))
+    bar = None
+
+    def on_progress(p: dict) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm.tqdm(total=p["total_bytes"], unit="B", unit_scale=True,
+                            unit_divisor=1024, desc="verifying", file=sys.stderr,
+                            disable=args.json or not sys.stderr.isatty())
+        bar.total = max(bar.total, p["total_bytes"])
+        bar.update(max(0, p["done_bytes"] - bar.n))
+
+    request = {"against_backing": args.against_backing}
+    if rels:
+        request["paths"] = rels
+    try:
+        res = client.request(args.mountpoint, "verify", timeout_s=None, on_progress=on_progress,
+                             **request)
+    finally:
+        if bar is not None:
+            bar.close()
+    res.pop("ok", None)
+    wrong = (res["damaged_clean_blocks"] + res["damaged_dirty_blocks"] + res["stale_blocks"]
+             + len(res["lost"]))
+    if args.json:
+        print(json.dumps(res))
+        return 1 if wrong else 0
+    print(f"verified {format_size(res['checked_bytes'])} in {res['blocks_checked']} blocks of "
+          f"{res['files']} files ({res['checksums_taken']} blocks had no checksum yet and "
+          "got one)")
+    if not wrong:
+        print("every checked block is sound")
+        return 0
+    if res["damaged_clean_blocks"]:
+        print(f"{res['damaged_clean_blocks']} clean blocks failed their checksums: dropped "
+              "(BACKING has them)")
+    if res["stale_blocks"]:
+        print(f"{res['stale_blocks']} clean blocks differed from BACKING: dropped")
+    if res["damaged_dirty_blocks"] or res["lost"]:
+        print(f"{res['damaged_dirty_blocks']} dirty blocks failed their checksums now; dirty "
+              "data damaged on the SSD (not in BACKING, reads of it fail with EIO):")
+        for lost in res["lost"]:
+            print(f"  {lost['path']} at offset {lost['offset']}")
+    return 1
 
 
 def _writeback_rows(s: dict) -> list[tuple[str, str]]:

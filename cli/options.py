@@ -72,6 +72,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "passthrough also where BACKING accepts unaligned direct I/O (NFS, FUSE): "
                    "such reads must then be aligned as on a local disk, or fail with EINVAL "
                    "(-o passthrough_odirect)")
+    p.add_argument("--no-read-checksums", dest="read_checksums", action="store_false",
+                   help="do not check blocks' checksums on the daemon's cache hits (they are "
+                   "still kept, and checked by the destager and `cachefs-ctl verify`); for "
+                   "measuring what the check costs (-o no_read_checksums)")
     p.add_argument("--check-invariants", action="store_true", help="after every change of "
                    "the extent map, check the invariants of docs/concurrency.md (costs CPU; "
                    "for tests and bug hunts: a violation stops the daemon with the reason)")
@@ -127,7 +131,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     values, fuse = _gather(args)
     no_passthrough = "no_passthrough" in fuse
     odirect = "passthrough_odirect" in fuse
-    fuse = [o for o in fuse if o not in ("no_passthrough", "passthrough_odirect")]
+    no_read_sums = "no_read_checksums" in fuse
+    fuse = [o for o in fuse
+            if o not in ("no_passthrough", "passthrough_odirect", "no_read_checksums")]
     for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
         if not path.strip():
             raise UserError(f"{what} is empty; give a directory.")
@@ -142,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         check_invariants=bool(getattr(args, "check_invariants", False)),
         passthrough=bool(getattr(args, "passthrough", True)) and not no_passthrough,
         passthrough_odirect=bool(getattr(args, "passthrough_odirect", False)) or odirect,
+        read_checksums=bool(getattr(args, "read_checksums", True)) and not no_read_sums,
     )
     if "mode" in values:
         kw["mode"] = values["mode"]
@@ -208,4 +215,6 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv.append("--no-passthrough")
     if cfg.passthrough_odirect:
         argv.append("--passthrough-odirect")
+    if not cfg.read_checksums:
+        argv.append("--no-read-checksums")
     return argv + [cfg.backing, cfg.mountpoint]

@@ -28,15 +28,22 @@ CHECK = [] if os.environ.get("CACHEFS_CHECK") == "0" else ["--check-invariants"]
 _NO_PASSTHROUGH = {"on": os.environ.get("CACHEFS_PASSTHROUGH") == "0"}
 
 
+# Tests marked damages_cache corrupt cache files on purpose: their mounts run without the
+# invariant checker, which verifies every block's checksum and would rightly stop the daemon.
+_DAMAGES_CACHE = {"on": False}
+
+
 @pytest.fixture(autouse=True)
 def _passthrough_marker(request):
-    saved = _NO_PASSTHROUGH["on"]
+    saved = _NO_PASSTHROUGH["on"], _DAMAGES_CACHE["on"]
     if request.node.get_closest_marker("no_passthrough") is not None:
         _NO_PASSTHROUGH["on"] = True
+    if request.node.get_closest_marker("damages_cache") is not None:
+        _DAMAGES_CACHE["on"] = True
     try:
         yield
     finally:
-        _NO_PASSTHROUGH["on"] = saved
+        _NO_PASSTHROUGH["on"], _DAMAGES_CACHE["on"] = saved
 
 
 def passthrough_args(args: list[str]) -> list[str]:
@@ -106,7 +113,8 @@ class Mount:
         self.logs.append(log)
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [*CACHEFS, "mount", "-f", "--cache-dir", str(self.cache), *CHECK,
+                [*CACHEFS, "mount", "-f", "--cache-dir", str(self.cache),
+                 *([] if _DAMAGES_CACHE["on"] else CHECK),
                  *passthrough_args(self.args), *self.args, str(self.backing), str(self.mnt)],
                 stdout=f,
                 stderr=subprocess.STDOUT)

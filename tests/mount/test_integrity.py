@@ -1,0 +1,188 @@
+"""Issue 17: block checksums. Bytes flipped in a cache file under a running mount are caught
+on read (clean: the right bytes from BACKING and the block dropped; dirty: EIO, a report,
+never destaged); `cachefs-ctl verify` finds flipped, zeroed and truncated blocks; a file
+cached by an earlier mount is verified before the kernel serves it (passthrough)."""
+
+import errno
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import CTL, ctl_flush, pread_aligned, read_blocks, wait_until, warm
+
+pytestmark = [pytest.mark.fuse, pytest.mark.damages_cache]
+
+SIZE = 1 << 20
+
+
+def cache_file(m, name: str):
+    ino = os.stat(m.backing / name).st_ino
+    return m.cache / "data" / f"{ino & 0xFF:02x}" / str(ino)
+
+
+def flip(path, off: int) -> None:
+    """Flip one bit of the byte at `off` of a cache file, as failing flash would."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b[0] ^ 0x10]), off)
+    finally:
+        os.close(fd)
+
+
+def verify(m, *args) -> tuple[int, dict]:
+    out = subprocess.run([*CTL, "verify", str(m.mnt), *args, "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode in (0, 1), out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+def read_all(path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        return b"".join(pread_aligned(fd, 65536, off) for off in range(0, SIZE, 65536))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.no_passthrough
+def test_a_flipped_clean_block_is_served_from_backing_and_dropped(make_mount, mode):
+    m = make_mount("--mode", mode, "--promote-after", "1")
+    data = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(data)
+    warm(m, "f", SIZE)
+    flip(cache_file(m, "f"), 5 * 4096 + 77)
+    before = m.stats()
+    assert read_all(m.path("f")) == data            # the right bytes, from BACKING
+    s = m.stats()
+    assert s["checksum_errors"] - before["checksum_errors"] == 1
+    assert s["drops"]["checksum"] - before["drops"]["checksum"] == 1
+    assert s["lost_dirty_blocks"] == 0
+    log = m.logs[-1].read_text()
+    assert "checksum mismatch in the cache of f at offset 20480" in log
+    assert read_all(m.path("f")) == data            # and again (refilled, or from BACKING)
+
+
+@pytest.mark.no_passthrough
+def test_a_flipped_dirty_block_fails_reads_and_is_never_destaged(make_mount):
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600", "--dirty-high", "64M",
+                   "--dirty-low", "32M")
+    old = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(old)
+    new = os.urandom(8192)
+    fd = os.open(m.path("f"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, new, 65536)                  # two dirty blocks of extent 1
+    finally:
+        os.close(fd)
+    assert m.stats()["dirty_bytes"] == 8192
+    flip(cache_file(m, "f"), 65536 + 4096 + 9)     # the second one rots on the SSD
+    with pytest.raises(OSError) as err:
+        read_blocks(m.path("f"), [65536 + 4096])
+    assert err.value.errno == errno.EIO
+    # the other dirty block and the clean data read right
+    assert read_blocks(m.path("f"), [65536])[65536] == new[:4096]
+    assert read_blocks(m.path("f"), [0])[0] == old[:4096]
+    s = m.stats()
+    assert s["checksum_dirty_errors"] == 1 and s["lost_dirty_blocks"] == 1
+    assert s["lost"] == [{"path": "f", "offset": 65536 + 4096}]
+    out = subprocess.run([*CTL, "flush", str(m.mnt), "--timeout", "30"], capture_output=True,
+                         text=True)
+    assert out.returncode != 0
+    assert "1 dirty blocks (4.0 KiB) are damaged on the cache SSD" in out.stderr
+    # the good dirty block reached BACKING, the damaged one never did
+    on_backing = (m.backing / "f").read_bytes()
+    assert on_backing[65536:65536 + 4096] == new[:4096]
+    assert on_backing[65536 + 4096:65536 + 8192] == old[65536 + 4096:65536 + 8192]
+    rc, res = verify(m)
+    assert rc == 1 and res["lost"] == [{"path": "f", "offset": 65536 + 4096}]
+    # rewriting the block whole makes it good again
+    fresh = os.urandom(4096)
+    fd = os.open(m.path("f"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, fresh, 65536 + 4096)
+    finally:
+        os.close(fd)
+    assert read_blocks(m.path("f"), [65536 + 4096])[65536 + 4096] == fresh
+    ctl_flush(m)
+    assert (m.backing / "f").read_bytes()[65536 + 4096:65536 + 8192] == fresh
+    assert m.stats()["lost_dirty_blocks"] == 0
+    m.stop(check=False)                         # the log has the ERROR line, as it must
+
+
+def test_verify_finds_flipped_zeroed_and_truncated_blocks(make_mount, mode):
+    m = make_mount("--mode", mode, "--promote-after", "1")
+    data = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(data)
+    (m.backing / "g").write_bytes(data[:200_000])
+    warm(m, "f", SIZE)
+    warm(m, "g", 200_000)
+    rc, res = verify(m)
+    assert rc == 0, res
+    assert res["files"] == 2 and res["blocks_checked"] == 256 + 49
+    path = cache_file(m, "f")
+    flip(path, 3 * 4096)                            # a flipped bit
+    with open(path, "r+b") as f:
+        f.seek(100 * 4096)
+        f.write(bytes(4096))                        # a zeroed block
+    os.truncate(path, SIZE - 65536)                 # the last extent cut away
+    rc, res = verify(m, str(m.path("f")))           # only f
+    assert rc == 1
+    assert res["files"] == 1
+    assert res["damaged_clean_blocks"] == 1 + 1 + 16, res
+    assert res["damaged_dirty_blocks"] == 0
+    s = m.stats()
+    assert s["checksum_errors"] == 18 and s["verified_blocks"] >= 256
+    assert read_all(m.path("f")) == data            # dropped blocks come from BACKING
+    warm(m, "f", SIZE)
+    rc, res = verify(m)
+    assert rc == 0, res
+    human = subprocess.run([*CTL, "verify", str(m.mnt)], capture_output=True, text=True)
+    assert human.returncode == 0 and "every checked block is sound" in human.stdout
+
+
+def test_verify_against_backing_drops_blocks_that_differ(make_mount):
+    m = make_mount("--mode", "write-through", "--promote-after", "1", "--attr-timeout", "60")
+    data = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(data)
+    warm(m, "f", SIZE)
+    st = os.stat(m.backing / "f")
+    with open(m.backing / "f", "r+b") as f:         # changed behind the cache, times kept
+        f.seek(8192)
+        f.write(b"x" * 100)
+    os.utime(m.backing / "f", ns=(st.st_atime_ns, st.st_mtime_ns))
+    rc, res = verify(m)
+    assert rc == 0                                  # the checksums hold: the SSD is sound
+    rc, res = verify(m, "--against-backing")
+    assert rc == 1 and res["stale_blocks"] == 1, res
+
+
+def test_verify_of_paths_outside_the_mount_is_a_clear_error(make_mount, tmp_path):
+    m = make_mount()
+    out = subprocess.run([*CTL, "verify", str(m.mnt), str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 2
+    assert "is not under the mount" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_file_from_an_earlier_mount_is_verified_before_passthrough(make_mount):
+    m = make_mount("--mode", "write-through", "--promote-after", "1")
+    if m.stats()["passthrough"] != "on":
+        pytest.skip("FUSE passthrough is not available here")
+    data = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(data)
+    (m.backing / "g").write_bytes(data)
+    warm(m, "f", SIZE)
+    warm(m, "g", SIZE)
+    m.restart()
+    flip(cache_file(m, "g"), 7 * 4096 + 1)          # rotted while unmounted
+    for name in ("f", "g"):
+        assert read_all(m.path(name)) == data       # served by the daemon, checked
+    wait_until(lambda: m.stats()["verified_blocks"] >= 2 * 256 - 1, 10, what="verification")
+    s = m.stats()
+    assert s["passthrough_opens"] == 0
+    assert s["checksum_errors"] >= 1                 # g's block: dropped, read from BACKING
+    assert read_all(m.path("f")) == data            # verified: the kernel serves it now
+    assert m.stats()["passthrough_opens"] == 1
