@@ -75,6 +75,7 @@ class Config:
     passthrough: bool = True              # FUSE passthrough for fully cached read-only opens
     passthrough_odirect: bool = False     # ... O_DIRECT ones too where BACKING takes any
     read_checksums: bool = True           # daemon hits check their blocks (integrity.py)
+    discard_dirty: bool = False           # a damaged database: set it aside, start cold
                                           # alignment (unaligned reads then fail: EINVAL)
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted

@@ -129,7 +129,8 @@ class Daemon:
         if self.cfg.metrics is not None:      # a port in use is found before the slow part
             self.metrics = MetricsServer(bind(self.cfg.metrics), self.snapshot)
         root_st = os.fstat(self.backing.root_fd)
-        self.clean_start = self.store.open(os.path.realpath(self.cfg.backing), root_st)
+        self.clean_start = self.store.open(os.path.realpath(self.cfg.backing), root_st,
+                                           self.cfg.discard_dirty)
         if not self.clean_start:
             log.warning("the last stop of this cache was not clean; cached data is "
                         "revalidated against BACKING as files are opened")

@@ -12,6 +12,7 @@ the commit that forgets it is durable.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -21,6 +22,8 @@ import trio
 
 from .errors import UserError
 from .journal import DoubtJournal
+
+log = logging.getLogger("cachefs.store")
 
 SCHEMA_VERSION = 4
 RESERVE_BYTES = 8 << 20         # see ensure_reserve()
@@ -81,6 +84,10 @@ CREATE TABLE IF NOT EXISTS pins (
 """
 
 
+class CorruptStore(UserError):
+    """The database cannot be read (garbage, truncated inside, not SQLite)."""
+
+
 class MetadataStore:
     """Schema and batched persistence for one cache directory."""
 
@@ -100,12 +107,64 @@ class MetadataStore:
 
     # -- opening -------------------------------------------------------------------------
 
-    def open(self, backing_real: str, backing_root: os.stat_result) -> bool:
+    def open(self, backing_real: str, backing_root: os.stat_result,
+             discard_dirty: bool = False) -> bool:
         """Open or create the database; returns True if the last stop was clean.
 
-        Raises UserError if the database is corrupt or belongs to another BACKING.
+        Raises UserError if the database is corrupt, missing or empty while the directory
+        holds cached data (which may be dirty: only `discard_dirty` starts cold then, with
+        the damaged state moved aside), or belongs to another BACKING.
         """
+        problem = self._damaged()
+        if problem is None:
+            try:
+                return self._open(backing_real, backing_root)
+            except CorruptStore as exc:
+                problem = str(exc)
+        if not discard_dirty:
+            raise UserError(f"{problem} It may have named dirty write-back data that is not in "
+                            "BACKING; recover it by hand, or mount with --discard-dirty to "
+                            "set the damaged state aside and start with a cold cache.")
+        aside = self._set_aside()
+        log.warning("%s --discard-dirty: the damaged state was moved to %s and the cache "
+                    "starts cold (any dirty data in it is not in BACKING)", problem, aside)
+        return self._open(backing_real, backing_root)
+
+    def _damaged(self) -> str | None:
+        """A sentence if the database is missing or empty while cached data is here (a
+        deleted or truncated cachefs.db, or a WAL left without its database)."""
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = -1
+        if size > 0:
+            return None
+        data = os.path.join(self.cache_dir, "data")
+        has_data = os.path.isdir(data) and any(
+            files for _, _, files in os.walk(data))
+        if os.path.exists(self.path + "-wal") and size <= 0:
+            return (f"the cache directory {self.cache_dir} has a write-ahead log "
+                    f"(cachefs.db-wal) but its database is {'missing' if size < 0 else 'empty'}.")
+        if has_data:
+            return (f"the metadata database of {self.cache_dir} is "
+                    f"{'missing' if size < 0 else 'empty'} but the directory holds cached data.")
+        return None
+
+    def _set_aside(self) -> str:
+        """Move the database, its WAL, the doubt journal and the cache files into
+        damaged-<time>/ of the cache directory; returns that path."""
+        aside = os.path.join(self.cache_dir, time.strftime("damaged-%Y%m%d-%H%M%S"))
+        os.makedirs(aside, mode=0o700, exist_ok=True)
+        for name in ("cachefs.db", "cachefs.db-wal", "cachefs.db-shm", "doubt.log",
+                     "doubt.log.prev", "data"):
+            src = os.path.join(self.cache_dir, name)
+            if os.path.lexists(src):
+                os.rename(src, os.path.join(aside, name))
+        return aside
+
+    def _open(self, backing_real: str, backing_root: os.stat_result) -> bool:
         self._create_private()
+        db = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
@@ -126,9 +185,10 @@ class MetadataStore:
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             meta = dict(db.execute("SELECT key, value FROM meta"))
         except sqlite3.DatabaseError as exc:
-            raise UserError(f"the metadata database {self.path} is corrupt or unreadable "
-                            f"({exc}); move the cache directory away to start a cold cache."
-                            ) from None
+            if db is not None:
+                db.close()
+            raise CorruptStore(f"the metadata database {self.path} is corrupt or unreadable "
+                               f"({exc}).") from None
         owner = meta.get("backing")
         if owner is not None and owner != backing_real:
             db.close()

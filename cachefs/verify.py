@@ -40,13 +40,17 @@ def _read_extents(path: str, exts: list[int]) -> dict[int, bytes]:
     except FileNotFoundError:
         return {}
     try:
-        out = {}
-        for e in exts:
-            data = os.pread(fd, EXT_SIZE, e << EXT_SHIFT)
-            out[e] = data + bytes(EXT_SIZE - len(data))
-        return out
+        return _extents_of(fd, exts)
     finally:
         os.close(fd)
+
+
+def _extents_of(fd: int, exts: list[int]) -> dict[int, bytes]:
+    out = {}
+    for e in exts:
+        data = os.pread(fd, EXT_SIZE, e << EXT_SHIFT)
+        out[e] = data + bytes(EXT_SIZE - len(data))          # past the end: zeros
+    return out
 
 
 def _read_backing(root: int, path: bytes, ino: int, exts: list[int]) -> dict[int, bytes]:
@@ -60,11 +64,7 @@ def _read_backing(root: int, path: bytes, ino: int, exts: list[int]) -> dict[int
     try:
         if os.fstat(fd).st_ino != ino:
             return {}
-        out = {}
-        for e in exts:
-            data = os.pread(fd, EXT_SIZE, e << EXT_SHIFT)
-            out[e] = data + bytes(EXT_SIZE - len(data))
-        return out
+        return _extents_of(fd, exts)
     finally:
         os.close(fd)
 

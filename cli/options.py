@@ -72,6 +72,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "passthrough also where BACKING accepts unaligned direct I/O (NFS, FUSE): "
                    "such reads must then be aligned as on a local disk, or fail with EINVAL "
                    "(-o passthrough_odirect)")
+    p.add_argument("--discard-dirty", action="store_true",
+                   help="when the cache directory's database is damaged, missing or "
+                   "unreadable, move the damaged state aside (damaged-TIME/ in the cache "
+                   "directory) and start cold, although it may have held dirty write-back "
+                   "data not yet in BACKING; without it such a mount is refused")
     p.add_argument("--no-read-checksums", dest="read_checksums", action="store_false",
                    help="do not check blocks' checksums on the daemon's cache hits (they are "
                    "still kept, and checked by the destager and `cachefs-ctl verify`); for "
@@ -149,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         passthrough=bool(getattr(args, "passthrough", True)) and not no_passthrough,
         passthrough_odirect=bool(getattr(args, "passthrough_odirect", False)) or odirect,
         read_checksums=bool(getattr(args, "read_checksums", True)) and not no_read_sums,
+        discard_dirty=bool(getattr(args, "discard_dirty", False)),
     )
     if "mode" in values:
         kw["mode"] = values["mode"]
@@ -217,4 +223,6 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv.append("--passthrough-odirect")
     if not cfg.read_checksums:
         argv.append("--no-read-checksums")
+    if cfg.discard_dirty:
+        argv.append("--discard-dirty")
     return argv + [cfg.backing, cfg.mountpoint]

@@ -8,6 +8,7 @@ and, where the error can come from either process, also in the foreground mode.
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import os
 import shutil
@@ -540,6 +541,47 @@ def test_corrupt_database_damaged_table_page(make_mount, env, fg):
     res = env.mount(backing=m.backing, cache=m.cache, fg=fg)
     assert_sentence(res, str(db), fg=fg)
     env.assert_nothing_left(cache=m.cache)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "missing", "wal-only"])
+def test_damaged_database_is_refused_then_set_aside_with_discard_dirty(make_mount, env, damage):
+    """Issue 17, item 4: a database that is garbage, empty, deleted, or gone with only its
+    WAL left, in a directory holding cached data that may be dirty: one sentence naming
+    --discard-dirty, nothing changed; with --discard-dirty the damaged state is moved aside
+    and the mount starts cold, serving BACKING's bytes."""
+    m = _stopped_cache(make_mount)
+    db = m.cache / "cachefs.db"
+    wal = Path(str(db) + "-wal")
+    for suffix in ("-wal", "-shm"):
+        Path(str(db) + suffix).unlink(missing_ok=True)
+    if damage == "garbage":
+        db.write_bytes(os.urandom(64 * 1024))
+    elif damage == "empty":
+        db.write_bytes(b"")
+    elif damage == "missing":
+        db.unlink()
+    else:
+        db.rename(wal)                          # a WAL (any bytes) without its database
+    def state():
+        return sorted((p.name, p.stat().st_size) for p in m.cache.iterdir()
+                      if p.name != "cachefs.log")
+    before = state()
+    res = env.mount(backing=m.backing, cache=m.cache)
+    assert_sentence(res, "--discard-dirty")
+    env.assert_nothing_left(cache=m.cache)
+    assert state() == before                            # nothing touched
+    res = env.mount("--discard-dirty", backing=m.backing, cache=m.cache)
+    assert res.returncode == 0, res.stderr
+    try:
+        aside = [p for p in m.cache.iterdir() if p.name.startswith("damaged-")]
+        assert len(aside) == 1 and (aside[0] / "data").is_dir()
+        assert (env.mnt / "f").read_bytes() == (m.backing / "f").read_bytes()
+        stats = json.loads(run([*CTL, "stats", str(env.mnt), "--json"]).stdout)
+        assert stats["extents_cached"] <= 4            # cold (what this read cached)
+        log = (m.cache / "cachefs.log").read_text()
+        assert "--discard-dirty: the damaged state was moved to" in log
+    finally:
+        run([*CACHEFS, "umount", str(env.mnt)])
 
 
 # -- the background mode's success path --------------------------------------------------------

@@ -1,0 +1,49 @@
+"""Issue 17, item 6: two cachefs mounts of one BACKING stand in for two hosts. In
+write-through, close-to-open holds both ways, also for a file the reader holds cached."""
+
+import os
+
+import pytest
+
+from tests.conftest import read_blocks, warm
+
+pytestmark = pytest.mark.fuse
+
+SIZE = 512 * 1024
+
+
+def write_at(path, off: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
+def whole(path) -> bytes:
+    return b"".join(read_blocks(path, range(0, SIZE, 65536), 65536)[o]
+                    for o in range(0, SIZE, 65536))
+
+
+def test_close_to_open_between_two_write_through_mounts(make_mount, tmp_path):
+    a = make_mount("--mode", "write-through", "--promote-after", "1", name="a")
+    b = make_mount("--mode", "write-through", "--promote-after", "1", name="b",
+                   backing=a.backing)
+    data = bytearray(os.urandom(SIZE))
+    (a.backing / "f").write_bytes(data)
+    warm(a, "f", SIZE)
+    warm(b, "f", SIZE)                               # both hold it cached
+    for writer, reader, off in ((a, b, 4096), (b, a, 200_000), (a, b, SIZE - 100)):
+        new = os.urandom(100)
+        write_at(writer.path("f"), off, new)         # written and closed on one host
+        data[off:off + 100] = new
+        assert whole(reader.path("f")) == bytes(data)   # the other's next open sees it
+        assert reader.path("f").read_bytes() == bytes(data)     # buffered too
+        assert whole(writer.path("f")) == bytes(data)
+    assert (a.backing / "f").read_bytes() == bytes(data)
+    # a file the reader holds cached, replaced as a whole by the other host
+    replacement = os.urandom(SIZE)
+    tmp = a.path("f.tmp")
+    tmp.write_bytes(replacement)
+    os.rename(tmp, a.path("f"))
+    assert whole(b.path("f")) == replacement
