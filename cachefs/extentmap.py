@@ -230,6 +230,7 @@ class ExtentMap:
             raise InvariantError(f"extent {x.key}: dirty blocks {x.dirty:#x} not all valid "
                                  f"({x.valid:#x})")
         x.summed &= x.valid
+        x.xsum = None                           # taken again at the next whole-extent read
         if x.bad:
             x.bad &= x.dirty                    # truncated or cleaned away: no longer lost
             if x.bad:

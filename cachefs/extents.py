@@ -57,7 +57,7 @@ class Extent:
     """One cached 64 KiB extent: its valid and dirty block bitmaps and eviction bookkeeping."""
 
     __slots__ = ("ino", "ext", "valid", "dirty", "freq", "queue", "redirty", "sums", "summed",
-                 "bad")
+                 "bad", "xsum")
 
     def __init__(self, ino: int, ext: int, valid: int = 0, dirty: int = 0):
         self.ino = ino
@@ -70,6 +70,8 @@ class Extent:
         self.sums = None      # array('I') of 16 block checksums (integrity.py), or None
         self.summed = 0       # valid blocks whose checksum is known (a subset of valid)
         self.bad = 0          # dirty blocks found damaged on the SSD (never destaged)
+        self.xsum = None      # checksum of the whole extent once its 16 blocks checked out
+                              # (a whole-extent read: one hash, not 16); None after a change
 
     @property
     def key(self) -> tuple[int, int]:

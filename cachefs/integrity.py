@@ -68,6 +68,7 @@ def resum(fd: int, x: Extent, mask: int) -> None:
     mask &= ~x.bad
     if not mask:
         return
+    x.xsum = None
     if fd < 0:
         x.summed &= ~mask
         return
@@ -141,25 +142,44 @@ def read_checked(cf: CachedFile, fd: int, off: int, end: int) -> bytes:
     data = os.pread(fd, z - a, a)
     if len(data) < z - a:                   # past the cache file's end: zeros, as in a hole
         data += bytes(z - a - len(data))
-    view = memoryview(data)
-    extents = cf.extents
-    bad = None
-    pos = a
-    while pos < z:
-        x = extents.get(pos >> EXT_SHIFT)
-        stop = min(z, ((pos >> EXT_SHIFT) + 1) << EXT_SHIFT)
-        if x is not None and x.summed:
-            m = damaged_blocks(x, view[pos - a:stop - a], pos)
-            if m:
-                if bad is None:
-                    bad = []
-                bad.append((x, m))
-        pos = stop
-    if bad:
-        raise Damaged(cf, bad)
+    if z - a == BLK_SIZE:                   # one block: the 4 KiB random read
+        x = cf.extents.get(a >> EXT_SHIFT)
+        b = (a >> BLK_SHIFT) & (BLKS_PER_EXT - 1)
+        if x is not None and x.summed >> b & 1 and _hash(data) & _SUM_MASK != x.sums[b]:
+            raise Damaged(cf, [(x, 1 << b)])
+    else:
+        _check(cf, data, a, z)
     if a == off and z == end:
         return data
     return data[off - a:end - a]
+
+
+def _check(cf: CachedFile, data: bytes, a: int, z: int) -> None:
+    """read_checked for several blocks: per extent, its blocks compared in one go."""
+    view = memoryview(data)
+    bad = None
+    pos = a
+    while pos < z:
+        x = cf.extents.get(pos >> EXT_SHIFT)
+        stop = min(z, ((pos >> EXT_SHIFT) + 1) << EXT_SHIFT)
+        if x is not None and x.summed:
+            b0 = (pos >> BLK_SHIFT) & (BLKS_PER_EXT - 1)
+            n = (stop - pos) >> BLK_SHIFT
+            span = ((1 << (b0 + n)) - 1) ^ ((1 << b0) - 1)
+            part = view[pos - a:stop - a]
+            if n == BLKS_PER_EXT and x.xsum is not None and _hash(part) == x.xsum:
+                pass                            # the whole extent, as when last checked
+            elif x.summed & span != span or array("I", [
+                    _hash(part[i:i + BLK_SIZE]) & _SUM_MASK
+                    for i in range(0, stop - pos, BLK_SIZE)]) != x.sums[b0:b0 + n]:
+                m = damaged_blocks(x, part, pos)
+                if m:
+                    bad = (bad or []) + [(x, m)]
+            elif n == BLKS_PER_EXT:
+                x.xsum = _hash(part)            # every block checked: one hash next time
+        pos = stop
+    if bad:
+        raise Damaged(cf, bad)
 
 
 class Reports:
