@@ -67,7 +67,11 @@ class ReadPath:
         cf = of.cfile
         st = self.stats
         if cf.extents:
-            data = await self._read_mixed(of, off, size)
+            try:
+                data = await self._read_mixed(of, off, size)
+            except OSError:                     # the SSD failed the read: BACKING has it
+                self.stats.cache_errors += 1
+                data = None
             if data is not None:
                 return data
         st.read_ops += 1

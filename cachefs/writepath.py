@@ -22,7 +22,6 @@ from .config import BLK_SIZE, EXT_SIZE
 from .extentmap import spans
 from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask, runs
 from .hit import OpenFile
-from .persist import NO_SPACE
 from .state import CacheState
 from .writeback import Destager
 
@@ -235,8 +234,8 @@ class WritePath:
         try:
             self._write_dirty(cf, off, data)
         except OSError as exc:
-            if exc.errno not in NO_SPACE:
-                raise
+            # Full or failing (EIO): the write is not stored safely on the SSD, so it is
+            # not acknowledged from there; BACKING takes it (or the write fails).
             self._s.ssd_failed(exc, "a write-back write")
             return await self._write_around(of, off, data)
         if cf.times is not None:
