@@ -76,6 +76,8 @@ class Config:
     passthrough_odirect: bool = False     # ... O_DIRECT ones too where BACKING takes any
     read_checksums: bool = True           # daemon hits check their blocks (integrity.py)
     discard_dirty: bool = False           # a damaged database: set it aside, start cold
+    scrub_interval_s: float = 7 * 86400   # background verification of every block (0: off)
+    scrub_rate: int = 16 << 20            # bytes/s the scrub reads
                                           # alignment (unaligned reads then fail: EINVAL)
     eviction: str = "s3-fifo"             # or "clock" (LRU approximation; for comparisons)
     promote_all_below: float = 0.90       # pool fill below which every miss is admitted
@@ -105,6 +107,8 @@ class Config:
             raise UserError("--dirty-low must be below --dirty-high.")
         if self.max_dirty_age_s <= 0:
             raise UserError("--max-dirty-age must be a positive number of seconds.")
+        if self.scrub_rate < 64 << 10:
+            raise UserError("--scrub-rate must be at least 64K (bytes per second).")
         if self.stats_group is not None:
             _check_stats_group(self.stats_group)
         if self.attr_timeout_s < 0 or self.entry_timeout_s < 0 or self.backing_timeout_s <= 0:

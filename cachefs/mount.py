@@ -252,6 +252,8 @@ class Daemon:
                 await nursery.start(self.cache.destager.run)
                 await nursery.start(self.warm.run)
                 await nursery.start(self.verifier.run)
+                await nursery.start(self.verifier.run_scrub, self.cfg.scrub_interval_s,
+                                    self.cfg.scrub_rate)
                 await nursery.start(self._run_lifetime_saver)
                 if self.metrics is not None:
                     await nursery.start(self.metrics.run)

@@ -40,7 +40,7 @@ COUNTERS = (
     "drop_cache_error",                    # the SSD failed a read or write of the extent
     "drop_checksum",                       # extents with clean blocks failing their checksums
     # integrity.py: cached blocks failing their checksums, and blocks checked by verify/scrub
-    "checksum_errors", "checksum_dirty_errors", "verified_blocks",
+    "checksum_errors", "checksum_dirty_errors", "verified_blocks", "scrubs",
     "prefetched_bytes",                    # loaded by cachefs-ctl prefetch/pin and pin re-loads
     "pin_reloads",                         # pinned files re-loaded after their data was dropped
     "pins_lost",                           # pins removed because the file was unlinked or gone

@@ -8,8 +8,11 @@ loop first, so a write racing the thread's read is not mistaken for damage): cle
 dropped, dirty ones reported and kept from BACKING. With `against_backing`, clean blocks
 are also compared with BACKING's bytes; a difference is stale data and is dropped.
 
-Owns: `Verifier` (the walk, its counts and progress, the background queue of files waiting
-for verification before passthrough).
+The scrub (`run_scrub`) is the same walk over everything, every `--scrub-interval`, at
+`--scrub-rate`; the time of its last pass is kept in the store, so it runs across remounts.
+
+Owns: `Verifier` (the walk, its counts and progress, the scrub, the background queue of
+files waiting for verification before passthrough).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .integrity import damaged_blocks
 log = logging.getLogger("cachefs.verify")
 
 BATCH_EXTENTS = 16              # extents read per thread call (1 MiB)
+SCRUB_KEY = "scrub.last"        # meta: wall time the last scrub pass ended
 
 
 def _read_extents(path: str, exts: list[int]) -> dict[int, bytes]:
@@ -117,9 +121,10 @@ class Verifier:
                  counts.summed_now, counts.clean_damaged, counts.dirty_damaged, counts.stale)
         return out
 
-    async def file(self, cf: CachedFile, counts: Counts, against_backing: bool = False
-                   ) -> None:
-        """Verify one file's cached blocks (see the module's docstring)."""
+    async def file(self, cf: CachedFile, counts: Counts, against_backing: bool = False,
+                   rate: int = 0) -> None:
+        """Verify one file's cached blocks (see the module's docstring); `rate`: at most
+        that many bytes a second (0: as fast as the SSD goes)."""
         counts.files += 1
         path = self._s.cache_path(cf.ino)
         exts = sorted(cf.extents)
@@ -127,6 +132,7 @@ class Verifier:
             batch = [e for e in exts[i:i + BATCH_EXTENTS] if e in cf.extents]
             if not batch:
                 continue
+            t0 = time.monotonic()
             seq = (cf.change_seq, cf.trunc_seq)
             valid = {e: cf.extents[e].valid for e in batch}
             data = await trio.to_thread.run_sync(_read_extents, path, batch)
@@ -142,7 +148,8 @@ class Verifier:
                 return                          # dropped meanwhile
             self._check(cf, valid, data, theirs if seq == (cf.change_seq, cf.trunc_seq)
                         else {}, counts)
-            await trio.sleep(0)
+            pause = len(batch) * EXT_SIZE / rate - (time.monotonic() - t0) if rate else 0
+            await trio.sleep(max(0.0, pause))
 
     def _check(self, cf: CachedFile, valid: dict[int, int], data: dict[int, bytes],
                theirs: dict[int, bytes], counts: Counts) -> None:
@@ -193,6 +200,36 @@ class Verifier:
         log.warning("verify: %d clean cached blocks of %s differ from BACKING at extent %d; "
                     "dropped (reason: coherence)", bin(mask).count("1"),
                     os.fsdecode(cf.path or b"?"), x.ext)
+
+    # -- the scrub -------------------------------------------------------------------------
+
+    async def run_scrub(self, interval_s: float, rate: int, *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Every `interval_s` (counted across remounts: the store keeps when the last pass
+        ended), check every cached block at `rate` bytes/s, so that hits do not notice."""
+        task_status.started()
+        if interval_s <= 0:
+            return
+        store = self._s.store
+        last = store.meta_items(SCRUB_KEY).get(SCRUB_KEY)
+        if last is None:                        # a new cache: the first pass one interval on
+            last = time.time()
+            store.queue_meta(SCRUB_KEY, repr(last))
+        last = float(last)
+        while True:
+            await trio.sleep(max(0.0, last + interval_s - time.time()))
+            counts = Counts()
+            t0 = time.monotonic()
+            for cf in list(self._s.files.values()):
+                if cf.extents and self._s.files.get(cf.ino) is cf:
+                    await self.file(cf, counts, rate=rate)
+            last = time.time()
+            store.queue_meta(SCRUB_KEY, repr(last))
+            self._stats.scrubs += 1
+            log.info("scrub: %d files, %d blocks checked in %.0f s (%d given checksums); %d "
+                     "clean and %d dirty blocks damaged", counts.files, counts.blocks,
+                     time.monotonic() - t0, counts.summed_now, counts.clean_damaged,
+                     counts.dirty_damaged)
 
     # -- before passthrough ----------------------------------------------------------------
 

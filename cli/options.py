@@ -19,7 +19,7 @@ _O_NAMES = {
     "attr_timeout": "attr_timeout", "backing_timeout": "backing_timeout",
     "eviction": "eviction", "promote_all_below": "promote_all_below",
     "max_pinned": "max_pinned", "stats_group": "stats_group",
-    "metrics": "metrics",
+    "metrics": "metrics", "scrub_interval": "scrub_interval", "scrub_rate": "scrub_rate",
 }
 # mount(8) and systemd options that mean nothing to FUSE.
 _IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
@@ -51,6 +51,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "(an LRU approximation, for comparisons)")
     p.add_argument("--max-pinned", help="share of the pool pinned files may hold "
                    "(cachefs-ctl pin), e.g. 25%% (default 50%%)")
+    p.add_argument("--scrub-interval", metavar="DURATION", help="check every cached block "
+                   "against its checksum in the background this often (seconds, or with s, "
+                   "m, h, d; default 7d; 0 never), also across remounts")
+    p.add_argument("--scrub-rate", metavar="SIZE", help="how fast the background scrub reads "
+                   "the cache, per second (default 16M)")
     p.add_argument("--stats-group", metavar="GROUP", help="members of GROUP may read "
                    "statistics (cachefs-ctl stats, top) without root; changes stay for root "
                    "and the mount's owner")
@@ -93,6 +98,17 @@ def _number(value: str, what: str, kind=float) -> float:
         raise UserError(f"{what} {value!r} is not a number.") from None
     if not math.isfinite(n):
         raise UserError(f"{what} {value!r} is not a finite number.")
+    return n
+
+
+def parse_duration(value: str, what: str) -> float:
+    """Seconds, or a number with s, m, h or d."""
+    text = value.strip().lower()
+    unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(text[-1:], None)
+    n = _number(text[:-1] if unit else text, what)
+    n *= unit or 1
+    if n < 0:
+        raise UserError(f"{what} {value!r} is negative; give a duration such as 12h or 7d.")
     return n
 
 
@@ -186,6 +202,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
     if "backing_timeout" in values:
         kw["backing_timeout_s"] = _number(values["backing_timeout"], "--backing-timeout")
+    if "scrub_interval" in values:
+        kw["scrub_interval_s"] = parse_duration(values["scrub_interval"], "--scrub-interval")
+    if "scrub_rate" in values:
+        kw["scrub_rate"] = parse_size(values["scrub_rate"], "--scrub-rate")
     cfg = Config(**kw)
     cfg.validate()
     return cfg
@@ -200,7 +220,8 @@ def config_to_argv(cfg: Config) -> list[str]:
             "--max-dirty-age", repr(cfg.max_dirty_age_s),
             "--attr-timeout", repr(cfg.attr_timeout_s),
             "--backing-timeout", repr(cfg.backing_timeout_s), "--eviction", cfg.eviction,
-            "--max-pinned", f"{cfg.max_pinned_pct:g}%"]
+            "--max-pinned", f"{cfg.max_pinned_pct:g}%",
+            "--scrub-interval", repr(cfg.scrub_interval_s), "--scrub-rate", str(cfg.scrub_rate)]
     if cfg.cache_size is not None:
         argv += ["--cache-size", str(cfg.cache_size)]
     if cfg.dirty_high is not None:

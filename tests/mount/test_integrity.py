@@ -186,3 +186,24 @@ def test_a_file_from_an_earlier_mount_is_verified_before_passthrough(make_mount)
     assert s["checksum_errors"] >= 1                 # g's block: dropped, read from BACKING
     assert read_all(m.path("f")) == data            # verified: the kernel serves it now
     assert m.stats()["passthrough_opens"] == 1
+
+
+def test_the_background_scrub_finds_damage_nobody_read(make_mount):
+    m = make_mount("--promote-after", "1", "--scrub-interval", "1", "--scrub-rate", "64M")
+    data = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(data)
+    warm(m, "f", SIZE)
+    flip(cache_file(m, "f"), 9 * 4096 + 3)
+    wait_until(lambda: m.stats()["checksum_errors"] == 1, 10, what="the scrub")
+    s = m.stats()
+    assert s["scrubs"] >= 1 and s["verified_blocks"] >= 256
+    assert "scrub: 1 files, 256 blocks checked" in m.logs[-1].read_text()
+    assert read_all(m.path("f")) == data
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "5x"])
+def test_a_bad_scrub_interval_is_a_sentence(tmp_path, value):
+    out = subprocess.run([*CTL[:-1], "cachefs_cli.main", "mount", "--scrub-interval", value,
+                          str(tmp_path), str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 2 and "--scrub-interval" in out.stderr
+    assert "Traceback" not in out.stderr
