@@ -191,10 +191,12 @@ def main() -> int:
     print("|---|---:|")
     for name, n in sorted(soak.counts.items()):
         print(f"| {name} | {n} |")
-    print(f"\nlast mount: {stats['write_bytes'] / 2**20:.0f} MiB written, "
-          f"{stats['destaged_bytes'] / 2**20:.0f} MiB destaged, {stats['evictions']} "
-          f"evictions, {stats['verified_blocks']} blocks verified, checksum errors "
-          f"{stats['checksum_errors']}/{stats['checksum_dirty_errors']}")
+    life = stats.get("lifetime") or stats
+    print(f"\nall mounts of the run: {life['write_bytes'] / 2**20:,.0f} MiB written, "
+          f"{life['read_bytes'] / 2**20:,.0f} MiB read, {life['destaged_bytes'] / 2**20:,.0f} "
+          f"MiB destaged, {life['evictions']:,} evictions, {life['verified_blocks']:,} blocks "
+          f"verified, checksum errors {life['checksum_errors']} clean / "
+          f"{life['checksum_dirty_errors']} dirty")
     subprocess.run(["rm", "-rf", work])
     return 0
 
