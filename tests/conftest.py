@@ -203,8 +203,10 @@ def mount_factory(root: Path):
 
 
 @pytest.fixture
-def make_mount(tmp_path):
-    """Factory: make_mount(*args, backing=None) starts a cachefs mount; all are cleaned up."""
+def make_mount(tmp_path, make_tmpfs):
+    """Factory: make_mount(*args, backing=None) starts a cachefs mount; all are cleaned up
+    (before any tmpfs of make_tmpfs goes: a cache directory on one must outlive its daemon,
+    whose invariant checker found its cache files gone when the tmpfs went first)."""
     with mount_factory(tmp_path) as make:
         yield make
 

@@ -207,3 +207,43 @@ def test_a_bad_scrub_interval_is_a_sentence(tmp_path, value):
                           str(tmp_path), str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 2 and "--scrub-interval" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.no_passthrough
+@pytest.mark.parametrize("damage", ["missing", "truncated", "replaced"])
+def test_cache_files_damaged_while_unmounted(make_mount, damage):
+    """Issue 17, item 4: cache files removed, cut or replaced between two mounts. Clean data
+    is read from BACKING; dirty data is never served as garbage (EIO, named in stats) and
+    never destaged."""
+    m = make_mount("--mode", "write-back", "--promote-after", "1", "--max-dirty-age", "600",
+                   "--dirty-high", "64M", "--dirty-low", "32M")
+    data = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(data)
+    warm(m, "f", SIZE)
+    new = os.urandom(4096)
+    fd = os.open(m.path("f"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, new, SIZE - 4096)                 # one dirty block, in the last extent
+    finally:
+        os.close(fd)
+    path = cache_file(m, "f")
+    m.stop()
+    if damage == "missing":
+        path.unlink()
+    elif damage == "truncated":
+        os.truncate(path, SIZE // 2)
+    else:
+        path.write_bytes(os.urandom(SIZE))
+    m.start()
+    got = read_blocks(m.path("f"), range(0, SIZE - 65536, 65536), 65536)
+    assert b"".join(got[o] for o in sorted(got)) == data[:SIZE - 65536]   # clean: BACKING
+    with pytest.raises(OSError) as err:
+        read_blocks(m.path("f"), [SIZE - 4096])
+    assert err.value.errno == errno.EIO
+    s = m.stats()
+    assert s["lost"] == [{"path": "f", "offset": SIZE - 4096}]
+    out = subprocess.run([*CTL, "flush", str(m.mnt), "--timeout", "30"], capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "damaged on the cache SSD" in out.stderr
+    assert (m.backing / "f").read_bytes() == data       # garbage never reached BACKING
+    m.stop(check=False)
