@@ -387,6 +387,7 @@ def run(cfg: Config, ready: Callable[[str | None], None]) -> int:
 
     `ready` gets None once mounted, or why not: a user mistake (UserError) as USER_MISTAKE
     and its sentence, so that `cachefs mount` in the background exits 2 for it too."""
+    oplog.quiet_late_replies()
     try:
         check_paths(cfg)
         raise_fd_limit()

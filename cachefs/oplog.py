@@ -120,3 +120,19 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds // 60} min"
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+class LateReplyFilter(logging.Filter):
+    """pyfuse3 logs an ERROR when the kernel no longer waits for a reply ("fuse_reply_*
+    failed with No such file or directory": the request was interrupted, or a RELEASE sent
+    in the background raced the unmount). Nothing is lost then; it becomes an INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "fuse_reply_" in str(record.msg) and \
+                "No such file or directory" in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_late_replies() -> None:
+    logging.getLogger("pyfuse3").addFilter(LateReplyFilter())
