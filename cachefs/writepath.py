@@ -2,7 +2,8 @@
 cache file, blocks turn dirty; flow control first), write-around (write-back when the SSD
 cannot take it), truncate and fsync.
 
-Owns `WritePath`. Its bracketing of awaits: promotions in flight are overtaken by writes and
+Owns `WritePath` (the writes to files the kernel reads by itself, in passthrough, are its
+base `HeldWrites`, heldwrites.py). Its bracketing of awaits: promotions in flight are overtaken by writes and
 truncates (`CachedFile.fills`), write-through updates the cached blocks no other write
 touched while it was in flight, unless a truncate came meanwhile (`CachedFile.wtrack`,
 `trunc_seq`).
@@ -21,6 +22,7 @@ from .coherence import Coherence
 from .config import BLK_SIZE, EXT_SIZE
 from .extentmap import spans
 from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask, runs
+from .heldwrites import HeldWrites
 from .hit import OpenFile
 from .state import CacheState
 from .writeback import Destager
@@ -30,7 +32,7 @@ log = logging.getLogger("cachefs.writepath")
 
 NO_ROOM, OVERTAKEN = "no room", "overtaken"     # why a fill for a partial write failed
 
-class WritePath:
+class WritePath(HeldWrites):
     def __init__(self, state: CacheState, coherence: Coherence, destager: Destager):
         self._s = state
         self._c = coherence
@@ -51,117 +53,6 @@ class WritePath:
         if of.cfile.held is not None:
             return await self._write_through_held(of, off, data)
         return await self._write_through(of, off, data)
-
-    # -- files the kernel reads by itself (passthrough: openmode.Held) ---------------------
-
-    async def _write_through_held(self, of: OpenFile, off: int, data: bytes) -> int:
-        """Write-through to a held file: its cache file is read by the kernel directly, so
-        it must hold every acknowledged write at once and in BACKING's order: one write at
-        a time (the file's lock), BACKING first, then the cache file (_mirror)."""
-        cf = of.cfile
-        end = off + len(data)
-        async with self._s.file_lock(cf):
-            await self._wait_punched(cf, off, end)
-            cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
-            cf.writes_inflight += 1
-            try:
-                written, st = await self.backing.pwrite_stat(of.backing_fd, of.direct_fd,
-                                                             data, off)
-            finally:
-                cf.writes_inflight -= 1
-            self.stats.write_ops += 1
-            self.stats.write_bytes += written
-            self.stats.backing_write_ops += 1
-            self.stats.backing_write_bytes += written
-            self._c.own_change(cf, st, size_exact=False)
-            self._mirror(cf, off, memoryview(data)[:written])
-        return written
-
-    async def _wait_punched(self, cf: CachedFile, off: int, end: int) -> None:
-        """Wait while the hole of an extent in [off, end) is being punched (it was evicted
-        or truncated away): bytes put there now would be zeroed."""
-        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
-        while any(self.persister.punching((cf.ino, e)) for e in range(first, last + 1)):
-            self.stats.punch_waits += 1
-            await self.persister.wait_punched()
-
-    def _mirror(self, cf: CachedFile, off: int, data) -> None:
-        """Put bytes BACKING now holds into a held file's cache file; the blocks they cover
-        turn valid (extents are added even past the pool's size: held data cannot be
-        evicted, and the kernel reads the cache file whatever the map says). On an SSD error
-        the cache file stops being the file's: it is detached."""
-        end = off + len(data)
-        if end > cf.size:
-            cf.size = end
-        try:
-            pwrite_all(self.cachefiles.fd(cf), data, off)
-        except OSError as exc:
-            self._s.ssd_failed(exc, "a write to a file in passthrough")
-            self.stats.drop_cache_error += len(cf.extents)
-            self._s.drop_file(cf)
-            return
-        for e, s, t, m in spans(off, end):
-            x = cf.extents.get(e)
-            if x is None:
-                self._s.make_room(1)
-                x = self._s.map.add(cf, e)
-            base = e << EXT_SHIFT
-            self._s.map.rewritten(cf, x, m)     # valid (partial, dirty) blocks it wrote into
-            self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base)
-                             & ~x.dirty)
-        self._s.persist_identity(cf)
-
-    def dirty_all(self, of: OpenFile | None, why: str) -> None:
-        """Write-back: every cached block of a held file counts as written (a shared
-        writable mapping of its cache file may change any of them): dirty, so the destager
-        copies the cache file's bytes to BACKING. Write-through copies at the end
-        (sync_back). In both modes the blocks' checksums are unknown until then."""
-        cf = of.cfile if of is not None else None
-        if cf is None:
-            return
-        for x in list(cf.extents.values()):
-            self._s.map.unsummed(cf, x, known=False)
-        if not self.write_back:
-            return
-        self._dirty_all(cf)
-        if cf.wb_fd < 0 and of is not None and of.flags & os.O_ACCMODE != os.O_RDONLY:
-            cf.wb_fd = os.dup(of.backing_fd)
-        self.stats.passthrough_syncs += 1
-        log.info("inode %d: all %d cached extents made dirty (%s may write its cache file "
-                 "through a shared mapping)", cf.ino, len(cf.extents), why)
-
-    def _dirty_all(self, cf: CachedFile) -> None:
-        for x in list(cf.extents.values()):
-            m = x.valid & ~x.dirty
-            if m:
-                self.persister.journal_dirtying(x.key)
-                self._s.map.write(cf, x, m, changed=False)
-
-    async def sync_back(self, cf: CachedFile) -> None:
-        """The end of a held file a shared writable mapping may have changed: write-back
-        makes its blocks dirty again; write-through copies the cache file to BACKING."""
-        self.stats.passthrough_syncs += 1
-        for x in list(cf.extents.values()):
-            self._s.map.unsummed(cf, x, known=True)     # as the mapping left them
-        if self.write_back:
-            self._dirty_all(cf)
-            return
-        if cf.path is None:
-            return
-        async with self._s.file_lock(cf):
-            size = cf.size
-            cf.writes_inflight += 1
-            try:
-                st = await self.backing.write_call(_copy_back, self.cachefiles.path(cf.ino),
-                                                   self.backing.root_fd, cf.path, size)
-            finally:
-                cf.writes_inflight -= 1
-            if st is not None:
-                self._c.own_change(cf, st, size_exact=False)
-                self.stats.backing_write_ops += 1
-                self.stats.backing_write_bytes += size
-                log.info("inode %d: cache file copied to BACKING (%d bytes): a shared "
-                         "mapping of it may have written it", cf.ino, size)
 
     async def _write_back(self, of: OpenFile, off: int, data: bytes) -> int:
         """Write-back: the write lands in the cache file, its blocks turn dirty, done.
@@ -331,28 +222,6 @@ class WritePath:
             cf.size = end
             self._s.persist_identity(cf)
         if of.flags & (os.O_SYNC | os.O_DSYNC):     # BACKING's fd has O_SYNC itself
-            await self.persister.persist(durable=True)
-        return written
-
-    async def _write_around_held(self, of: OpenFile, off: int, data: bytes) -> int:
-        """_write_around for a held file (its lock held): BACKING, then the cache file, in
-        that order, blocks dirty before stay dirty (their bytes are the newest now too)."""
-        cf = of.cfile
-        end = off + len(data)
-        await self._wait_punched(cf, off, end)
-        cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
-        cf.writes_inflight += 1
-        try:
-            written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
-        finally:
-            cf.writes_inflight -= 1
-        self.stats.write_ops += 1
-        self.stats.write_bytes += written
-        self.stats.backing_write_ops += 1
-        self.stats.backing_write_bytes += written
-        self._c.own_change(cf, st, size_exact=False)
-        self._mirror(cf, off, memoryview(data)[:written])
-        if of.flags & (os.O_SYNC | os.O_DSYNC):
             await self.persister.persist(durable=True)
         return written
 
@@ -578,31 +447,3 @@ class WritePath:
         else:
             await self.backing.write_call(os.fdatasync if datasync else os.fsync,
                                           of.backing_fd)
-
-
-def _copy_back(cache_path: str, root: int, path: bytes, size: int) -> os.stat_result | None:
-    """Copy a cache file's first `size` bytes over BACKING's file (a thread); its stat, or
-    None if either file is gone."""
-    try:
-        cfd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            bfd = bk.open_at(root, path, os.O_WRONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            off = 0
-            while off < size:
-                chunk = os.pread(cfd, min(1 << 20, size - off), off)
-                if not chunk:
-                    break
-                pwrite_all(bfd, chunk, off)
-                off += len(chunk)
-            os.fsync(bfd)
-            return os.fstat(bfd)
-        finally:
-            os.close(bfd)
-    finally:
-        os.close(cfd)
