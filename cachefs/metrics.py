@@ -58,6 +58,12 @@ COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
     ("stale_files", "stale_files", "Files found changed behind the cache."),
     ("backing_errors", "backing_errors", "Failed BACKING calls."),
     ("cache_errors", "cache_errors", "Failed SSD calls."),
+    ("checksum_errors", "checksum_errors", "Clean cached blocks that failed their checksums "
+     "(dropped, read from BACKING)."),
+    ("checksum_dirty_errors", "checksum_dirty_errors", "Dirty cached blocks that failed "
+     "their checksums (data lost on the SSD)."),
+    ("verified_blocks", "verified_blocks", "Cached blocks checked by verify and the scrub."),
+    ("scrubs", "scrubs", "Background scrub passes completed."),
     ("metadata_errors", "metadata_errors", "Failed metadata commits."),
     ("conflicts", "conflicts", "Write-back: BACKING changed while dirty here."),
     ("writes_around", "writes_around", "Write-back writes sent straight to BACKING."),
@@ -83,6 +89,8 @@ GAUGES = (
     ("dirty_bytes", "dirty_bytes", "Write-back data not yet on BACKING."),
     ("files_cached", "files_cached", "Files with cached extents."),
     ("extents_cached", "extents_cached", "Cached extents."),
+    ("lost_dirty_blocks", "lost_dirty_blocks", "Dirty blocks damaged on the SSD: reads of "
+     "them fail, they are never destaged (cachefs-ctl stats names them)."),
     ("pinned_bytes", "pinned_bytes", "Resident bytes of pinned files."),
     ("oldest_dirty_age_seconds", "oldest_dirty_age_s", "Age of the oldest dirty data."),
     ("destage_rate_bytes", "destage_rate", "Recent destage rate, bytes per second."),

@@ -88,6 +88,14 @@ def test_a_flipped_dirty_block_fails_reads_and_is_never_destaged(make_mount):
     s = m.stats()
     assert s["checksum_dirty_errors"] == 1 and s["lost_dirty_blocks"] == 1
     assert s["lost"] == [{"path": "f", "offset": 65536 + 4096}]
+    metrics = subprocess.run([*CTL, "metrics", str(m.mnt)], capture_output=True,
+                             text=True).stdout
+    assert any(line.startswith("cachefs_lost_dirty_blocks{") and line.endswith(" 1.0")
+               for line in metrics.splitlines()), metrics
+    assert any(line.startswith("cachefs_checksum_dirty_errors_total{") and
+               line.endswith(" 1.0") for line in metrics.splitlines())
+    human = subprocess.run([*CTL, "stats", str(m.mnt)], capture_output=True, text=True).stdout
+    assert "LOST: 1 dirty blocks damaged on the SSD (f@69632)" in human
     out = subprocess.run([*CTL, "flush", str(m.mnt), "--timeout", "30"], capture_output=True,
                          text=True)
     assert out.returncode != 0
