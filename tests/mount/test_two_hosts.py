@@ -47,3 +47,20 @@ def test_close_to_open_between_two_write_through_mounts(make_mount, tmp_path):
     tmp.write_bytes(replacement)
     os.rename(tmp, a.path("f"))
     assert whole(b.path("f")) == replacement
+
+
+def test_write_back_host_reports_a_conflict_with_another_host(make_mount):
+    """Write-back asks for a single writer; when another host writes a file this one holds
+    dirty data of, the conflict is reported (log and stats), not passed over silently."""
+    a = make_mount("--mode", "write-back", "--max-dirty-age", "600", "--dirty-high", "64M",
+                   "--dirty-low", "32M", "--attr-timeout", "0", name="a")
+    b = make_mount("--mode", "write-through", name="b", backing=a.backing)
+    (a.backing / "f").write_bytes(bytes(SIZE))
+    write_at(a.path("f"), 0, b"A" * 4096)             # dirty on host a only
+    assert a.stats()["dirty_bytes"] == 4096
+    write_at(b.path("f"), 8192, b"B" * 4096)           # host b writes the same file
+    seen = whole(a.path("f"))                          # a's next open sees the change...
+    assert seen[:4096] == b"A" * 4096 and seen[8192:12288] == b"B" * 4096
+    assert a.stats()["conflicts"] == 1                 # ...and reports the conflict
+    assert "conflict: BACKING inode" in a.logs[-1].read_text()
+    a.stop(check=False)                                # the WARNING is expected
