@@ -170,11 +170,21 @@ class MetadataStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             version = db.execute("PRAGMA user_version").fetchone()[0]
+            foreign = None
             if version > SCHEMA_VERSION:
-                raise UserError(f"the cache directory {self.cache_dir} was written by a newer "
-                                f"cachefs (schema {version}); upgrade cachefs or use another "
-                                "--cache-dir.")
-            db.executescript(_SCHEMA)
+                foreign = (f"the cache directory {self.cache_dir} was written by a newer "
+                           f"cachefs (schema {version}); upgrade cachefs or use another "
+                           "--cache-dir.")
+            elif version >= 1:                  # refused before anything is migrated
+                row = db.execute("SELECT value FROM meta WHERE key='backing'").fetchone()
+                if row is not None and row[0] != backing_real:
+                    foreign = (f"the cache directory {self.cache_dir} belongs to BACKING "
+                               f"{row[0]}, not {backing_real}; choose another --cache-dir.")
+            if foreign is not None:
+                db.close()
+                raise UserError(foreign)
+            if version < SCHEMA_VERSION:
+                db.executescript(_SCHEMA)
             if version == 1:
                 db.execute("ALTER TABLE files ADD COLUMN path BLOB")
                 db.execute("ALTER TABLE files ADD COLUMN lsize INTEGER")
@@ -182,18 +192,14 @@ class MetadataStore:
             if 1 <= version < 4:
                 db.execute("ALTER TABLE extents ADD COLUMN summed INTEGER NOT NULL DEFAULT 0")
                 db.execute("ALTER TABLE extents ADD COLUMN sums BLOB")
-            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if version < SCHEMA_VERSION:
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             meta = dict(db.execute("SELECT key, value FROM meta"))
         except sqlite3.DatabaseError as exc:
             if db is not None:
                 db.close()
             raise CorruptStore(f"the metadata database {self.path} is corrupt or unreadable "
                                f"({exc}).") from None
-        owner = meta.get("backing")
-        if owner is not None and owner != backing_real:
-            db.close()
-            raise UserError(f"the cache directory {self.cache_dir} belongs to BACKING {owner}, "
-                            f"not {backing_real}; choose another --cache-dir.")
         clean = meta.get("clean", "1") == "1"
         with db:
             db.execute("BEGIN")

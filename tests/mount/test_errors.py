@@ -584,6 +584,28 @@ def test_damaged_database_is_refused_then_set_aside_with_discard_dirty(make_moun
         run([*CACHEFS, "umount", str(env.mnt)])
 
 
+@pytest.mark.parametrize("foreign", ["newer-schema", "other-backing"])
+def test_foreign_cache_directory_is_refused(make_mount, env, tmp_path, foreign):
+    """Issue 17, item 4: a cache directory written by a newer cachefs, or belonging to
+    another BACKING: one sentence, nothing changed (its data stays for its owner)."""
+    m = _stopped_cache(make_mount)
+    backing = m.backing
+    if foreign == "newer-schema":
+        con = sqlite3.connect(m.cache / "cachefs.db")
+        con.execute("PRAGMA user_version=99")
+        con.close()
+        needle = "newer cachefs"
+    else:
+        backing = tmp_path / "other-backing"
+        backing.mkdir()
+        needle = "belongs to BACKING"
+    db = (m.cache / "cachefs.db").read_bytes()
+    res = env.mount(backing=backing, cache=m.cache)
+    assert_sentence(res, needle)
+    env.assert_nothing_left(cache=m.cache)
+    assert (m.cache / "cachefs.db").read_bytes() == db
+
+
 # -- the background mode's success path --------------------------------------------------------
 
 def test_background_mount_and_umount(env):
