@@ -27,23 +27,26 @@ class HeldWrites:
         """Write-through to a held file: its cache file is read by the kernel directly, so
         it must hold every acknowledged write at once and in BACKING's order: one write at
         a time (the file's lock), BACKING first, then the cache file (_mirror)."""
+        async with self._s.file_lock(of.cfile):
+            return await self._write_held(of, off, data, of.direct_fd)
+
+    async def _write_held(self, of: OpenFile, off: int, data: bytes, direct_fd: int) -> int:
+        """BACKING, then the cache file (the file's lock held by the caller)."""
         cf = of.cfile
         end = off + len(data)
-        async with self._s.file_lock(cf):
-            await self._wait_punched(cf, off, end)
-            cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
-            cf.writes_inflight += 1
-            try:
-                written, st = await self.backing.pwrite_stat(of.backing_fd, of.direct_fd,
-                                                             data, off)
-            finally:
-                cf.writes_inflight -= 1
-            self.stats.write_ops += 1
-            self.stats.write_bytes += written
-            self.stats.backing_write_ops += 1
-            self.stats.backing_write_bytes += written
-            self._c.own_change(cf, st, size_exact=False)
-            self._mirror(cf, off, memoryview(data)[:written])
+        await self._wait_punched(cf, off, end)
+        cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
+        cf.writes_inflight += 1
+        try:
+            written, st = await self.backing.pwrite_stat(of.backing_fd, direct_fd, data, off)
+        finally:
+            cf.writes_inflight -= 1
+        self.stats.write_ops += 1
+        self.stats.write_bytes += written
+        self.stats.backing_write_ops += 1
+        self.stats.backing_write_bytes += written
+        self._c.own_change(cf, st, size_exact=False)
+        self._mirror(cf, off, memoryview(data)[:written])
         return written
 
     async def _wait_punched(self, cf: CachedFile, off: int, end: int) -> None:
@@ -135,21 +138,7 @@ class HeldWrites:
     async def _write_around_held(self, of: OpenFile, off: int, data: bytes) -> int:
         """_write_around for a held file (its lock held): BACKING, then the cache file, in
         that order, blocks dirty before stay dirty (their bytes are the newest now too)."""
-        cf = of.cfile
-        end = off + len(data)
-        await self._wait_punched(cf, off, end)
-        cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
-        cf.writes_inflight += 1
-        try:
-            written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
-        finally:
-            cf.writes_inflight -= 1
-        self.stats.write_ops += 1
-        self.stats.write_bytes += written
-        self.stats.backing_write_ops += 1
-        self.stats.backing_write_bytes += written
-        self._c.own_change(cf, st, size_exact=False)
-        self._mirror(cf, off, memoryview(data)[:written])
+        written = await self._write_held(of, off, data, -1)
         if of.flags & (os.O_SYNC | os.O_DSYNC):
             await self.persister.persist(durable=True)
         return written
