@@ -88,6 +88,9 @@ PARAMS: dict[str, Param] = {
     "enospc": Param(float, 0.0, 0, 1, "fault: fraction of writes failing with ENOSPC"),
     "hang": Param(_flag, 0, 0, 1, "fault: 1 = requests block until hang=0"),
     "offline": Param(_flag, 0, 0, 1, "fault: 1 = every request fails with EIO"),
+    "page_cache": Param(_flag, 0, 0, 1, "1 = opens use the kernel's page cache (allows "
+                        "shared mappings, e.g. a SQLite database in WAL mode; requests may "
+                        "then be absorbed by it)"),
     "seed": Param(int, 0, -2**63, 2**63 - 1,
                   "random seed for jitter and fault draws (0 = from os.urandom)"),
 }
@@ -580,8 +583,10 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
         def _fileinfo(self, fd: int, ino: int) -> pyfuse3.FileInfo:
             fh = next(self._next_fh)
             self._files[fh] = OpenFile(fd, ino)
-            # direct_io: the emulator mount's page cache must never absorb a request.
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+            # direct_io: the emulator mount's page cache must never absorb a request (unless
+            # asked: shared mappings, such as SQLite's WAL index, need the page cache).
+            return pyfuse3.FileInfo(fh=fh, direct_io=not self._p["page_cache"],
+                                    keep_cache=False)
 
         async def open(self, inode, flags, ctx):
             await self._meta()
