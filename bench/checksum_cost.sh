@@ -29,11 +29,7 @@ for m in on off; do
     $PY -m cachefs_cli.main mount --cache-dir "$D/c-$m" --cache-size $((SIZE_MB * 2))M \
         --no-passthrough $extra "$D/backing" "$D/$m"
     dd if="$D/$m/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
-    for _ in $(seq 100); do
-        n=$($PY -m cachefs_cli.ctl stats "$D/$m" --json | $PY -c 'import json,sys; print(json.load(sys.stdin)["extents_cached"])')
-        [ "$n" -ge $((SIZE_MB * 16)) ] && break
-        sleep 0.2
-    done
+    $PY bench/wait_cached.py "$D/$m" $((SIZE_MB * 16)) 20 || true
 done
 fio_run() {  # $1 label, $2 file, $3 rw, $4 bs, $5 iodepth
     fio --name="$1" --filename="$2" --rw="$3" --bs="$4" --size="${SIZE_MB}M" --direct=1 \

@@ -33,12 +33,7 @@ for m in mnt nopt; do
     $PY -m cachefs_cli.main mount --cache-dir "$D/$cache" --cache-size $((SIZE_MB * 2))M $extra \
         "$D/backing" "$D/$m"
     dd if="$D/$m/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
-    want=$((SIZE_MB * 16))
-    for _ in $(seq 100); do
-        n=$($PY -m cachefs_cli.ctl stats "$D/$m" --json | $PY -c 'import json,sys; print(json.load(sys.stdin)["extents_cached"])')
-        [ "$n" -ge "$want" ] && break
-        sleep 0.2
-    done
+    $PY bench/wait_cached.py "$D/$m" $((SIZE_MB * 16)) 20 || true
 done
 $PY bench/passthrough.py mount "$D/backing" "$D/pt"
 

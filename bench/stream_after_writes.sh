@@ -27,12 +27,7 @@ $PY bench/slowfs.py mount "$D/src" "$D/slow"
 $PY -m cachefs_cli.main mount --mode "$MODE" --no-passthrough --cache-dir "$D/cache" \
     --cache-size $((SIZE_MB * 2))M "$D/slow" "$D/mnt"
 dd if="$D/mnt/data" of=/dev/null bs=1M iflag=direct status=none
-want=$((SIZE_MB * 16))
-for _ in $(seq 300); do
-    n=$($PY -m cachefs_cli.ctl stats "$D/mnt" --json | $PY -c 'import json,sys; print(json.load(sys.stdin)["extents_cached"])')
-    [ "$n" -ge "$want" ] && break
-    sleep 0.2
-done
+$PY bench/wait_cached.py "$D/mnt" $((SIZE_MB * 16)) 60 || true
 export FILENAME="$D/mnt/data" SIZE=$((SIZE_MB << 20)) RUNTIME=8 RAMP=0
 fio bench/jobs/hitachi-web.fio --output-format=json > "$D/web.json"
 $PY -m cachefs_cli.ctl stats "$D/mnt" --json > "$D/a.json"
