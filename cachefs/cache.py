@@ -54,6 +54,12 @@ class Cache:
         # the objects the parts share (never rebound)
         self.cfg, self.store, self.backing, self.stats = cfg, store, backing, stats
         self.write_back = state.write_back
+        # Write-through opens get an O_DIRECT twin for AIO (aio.py) where BACKING is a FUSE or
+        # network mount, whose direct writes the kernel serialises per file; on a local
+        # filesystem buffered writes are what a plain directory does, and the twin would
+        # send each aligned write to the disk (bench/smallfiles.py: tar x 2.7 s -> see
+        # docs/benchmarks.md).
+        self._direct_twins = not self.write_back and not backing.inline
         self.files, self.pool, self.dirty = state.files, state.pool, state.dirty
         self.cachefiles, self.persister = state.cachefiles, state.persister
         self.stale_inodes = self.coherence.stale_inodes
@@ -142,7 +148,7 @@ class Cache:
         keep its page cache for the file."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
         token = self.coherence.stat_token(ino)
-        want_direct = not self.write_back and flags & os.O_ACCMODE != os.O_RDONLY
+        want_direct = self._direct_twins and flags & os.O_ACCMODE != os.O_RDONLY
         readable = True
         opened = None
         if self.write_back and flags & os.O_ACCMODE == os.O_WRONLY:
@@ -218,7 +224,7 @@ class Cache:
         if opened is None:          # write-through: the O_DIRECT twin in the same thread call
             fd, st, dfd = await self.backing.write_call(
                 _create_twin, self.backing.root_fd, path, bflags, mode, uid, gid, parent,
-                not self.write_back)
+                self._direct_twins)
         else:
             fd, st = opened
         ino = remember(st)

@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -109,3 +110,46 @@ def test_git_clone_into_the_mount(tmp_path, make_mount, mode):
     assert len(files) > 5
     for f in files:
         assert (m.mnt / "c" / f).read_bytes() == (src / f).read_bytes(), f
+
+
+def _direct_fds_of(pid: int, target: str) -> list[bool]:
+    """For each descriptor of process `pid` open on `target`: whether it has O_DIRECT."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != target:
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = int(next(x for x in f if x.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration):
+            continue
+        out.append(bool(flags & os.O_DIRECT))
+    return out
+
+
+def test_write_through_twins_only_where_backing_is_fuse(make_mount, tmp_path):
+    """The O_DIRECT twin of a write-through open (AIO, for BACKINGs whose direct writes the
+    kernel serialises) is for FUSE and network BACKINGs only: on a local filesystem it sent
+    every aligned small-file write to the disk (tar x, bench/smallfiles.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from slowfs_client import mounted_slowfs        # noqa: PLC0415 (bench/ is not a package)
+
+    local = make_mount("--mode", "write-through", name="local")
+    with open(local.path("f"), "wb") as f:
+        f.write(b"x" * 8192)
+        f.flush()
+        fds = _direct_fds_of(local.proc.pid, str(local.backing / "f"))
+    assert fds and not any(fds)
+    assert (local.backing / "f").read_bytes() == b"x" * 8192
+
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    with mounted_slowfs(src, slow, latency_ms=0, jitter_ms=0):
+        fm = make_mount("--mode", "write-through", backing=slow, name="fuse")
+        with open(fm.path("f"), "wb") as f:
+            f.write(b"y" * 8192)
+            f.flush()
+            assert any(_direct_fds_of(fm.proc.pid, str(slow / "f")))
+        assert (src / "f").read_bytes() == b"y" * 8192
+        fm.stop()
