@@ -5,7 +5,7 @@ of a local repository of a few thousand files, into the plain BACKING directory,
 bare pyfuse3 passthrough (bench/passthrough.py: what Python FUSE costs with no cache logic)
 and into cachefs over it (write-through and write-back), in one run.
 
-    python3 bench/smallfiles.py [--rounds N] [--clone-files N]
+    python3 bench/smallfiles.py [--rounds N] [--clone-files N] [--modes bare,write-through,...]
 
 BACKING is a plain directory here (no slow-disk emulator): what is measured is what cachefs
 adds per file. Each figure is the median of N rounds, each into a fresh directory; the
@@ -68,12 +68,20 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def _code(target: str) -> tuple[str, dict | None]:
+    """MODE@DIR: MODE run with the cachefs source tree DIR first on PYTHONPATH (a checkout
+    with `ln -s cli cachefs_cli`), to compare two versions in one run."""
+    mode, _, tree = target.partition("@")
+    return mode, (dict(os.environ, PYTHONPATH=tree) if tree else None)
+
+
 def mount(backing: str, cache: str, mnt: str, target: str) -> None:
     if target == "bare":                        # the bare pyfuse3 passthrough: Python FUSE's floor
         run([sys.executable, os.path.join(HERE, "passthrough.py"), "mount", backing, mnt])
         return
-    run([sys.executable, "-m", "cachefs_cli.main", "mount", "--mode", target, "--cache-dir",
-         cache, backing, mnt])
+    mode, env = _code(target)
+    run([sys.executable, "-m", "cachefs_cli.main", "mount", "--mode", mode, "--cache-dir",
+         cache, backing, mnt], env=env)
 
 
 def umount(mnt: str, target: str) -> None:
@@ -82,7 +90,7 @@ def umount(mnt: str, target: str) -> None:
         while any(line.split()[1] == mnt for line in open("/proc/self/mounts")):
             time.sleep(0.02)
         return
-    run([sys.executable, "-m", "cachefs_cli.main", "umount", mnt])
+    run([sys.executable, "-m", "cachefs_cli.main", "umount", mnt], env=_code(target)[1])
 
 
 def main() -> int:
@@ -90,7 +98,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clone-files", type=int, default=3000)
     ap.add_argument("--modes", default="bare,write-through,write-back",
-                    help="targets beside the plain directory; bare is bench/passthrough.py")
+                    help="targets beside the plain directory; bare is bench/passthrough.py; "
+                    "MODE@DIR runs MODE from the source tree DIR")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="cachefs-small.", dir="/var/tmp")
     try:
