@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Hits through the daemon (issue 16's target for partly cached files and read-write opens):
+# cachefs --no-passthrough against the bare pyfuse3 passthrough (bench/passthrough.py) on
+# 4 KiB random reads, O_DIRECT, libaio QD 32, of a fully cached file, in ROUNDS alternated
+# rounds (ABBA order: on these machines a single pair moves +-5 % and later runs tend to be
+# faster). Prints each round and the ratio of the sums.
+#   bash bench/daemon_hits.sh [SIZE_MB] [RUNTIME_S] [ROUNDS]
+# Which I/O bypasses the page cache: none of the daemons' reads (O_DIRECT only makes every
+# request reach the daemon, which preads its file from the page cache).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SIZE_MB=${1:-256}; RUNTIME=${2:-8}; ROUNDS=${3:-6}
+D=$(mktemp -d /var/tmp/cachefs-dhits.XXXX)
+cleanup() {
+    for m in "$D/nopt" "$D/pt"; do
+        grep -q " $m fuse" /proc/mounts && { fusermount3 -u "$m" || fusermount3 -u -z "$m"; }
+    done
+    sleep 1; rm -rf "$D"
+}
+trap cleanup EXIT
+mkdir -p "$D/backing" "$D/cache" "$D/nopt" "$D/pt"
+head -c "${SIZE_MB}M" /dev/urandom > "$D/backing/data"
+sync
+$PY -m cachefs_cli.main mount --cache-dir "$D/cache" --cache-size $((SIZE_MB * 2))M \
+    --no-passthrough "$D/backing" "$D/nopt"
+dd if="$D/nopt/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
+$PY bench/wait_cached.py "$D/nopt" $((SIZE_MB * 16)) 20 || true
+$PY bench/passthrough.py mount "$D/backing" "$D/pt"
+fio_iops() {
+    fio --name=x --filename="$1" --rw=randread --bs=4k --size="${SIZE_MB}M" --direct=1 \
+        --ioengine=libaio --iodepth=32 --runtime="$RUNTIME" --time_based --invalidate=0 \
+        --output-format=json | $PY -c 'import json,sys; print(round(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))'
+}
+for i in $(seq "$ROUNDS"); do
+    if [ $((i % 2)) = 1 ]; then c=$(fio_iops "$D/nopt/data"); b=$(fio_iops "$D/pt/data")
+    else b=$(fio_iops "$D/pt/data"); c=$(fio_iops "$D/nopt/data"); fi
+    echo "$c $b"
+done | $PY -c '
+import sys
+rows = [tuple(map(int, l.split())) for l in sys.stdin]
+for i, (c, b) in enumerate(rows, 1):
+    print(f"round {i}: cachefs --no-passthrough {c:,} IOPS, bare pyfuse3 {b:,} IOPS, {c / b:.2f}x")
+c, b = sum(r[0] for r in rows), sum(r[1] for r in rows)
+print(f"all rounds: {c / len(rows):,.0f} vs {b / len(rows):,.0f} IOPS = {c / b:.3f}x")'
