@@ -63,6 +63,10 @@ def test_a_flipped_clean_block_is_served_from_backing_and_dropped(make_mount, mo
     log = m.logs[-1].read_text()
     assert "checksum mismatch in the cache of f at offset 20480" in log
     assert read_all(m.path("f")) == data            # and again (refilled, or from BACKING)
+    # a 4 KiB read of one rotten block (the hit path's one-block case) does the same
+    flip(cache_file(m, "f"), 9 * 4096 + 5)
+    assert read_blocks(m.path("f"), [9 * 4096])[9 * 4096] == data[9 * 4096:10 * 4096]
+    assert m.stats()["checksum_errors"] - before["checksum_errors"] == 2
 
 
 @pytest.mark.no_passthrough
