@@ -169,7 +169,7 @@ class Backing:
 
     async def pwrite_stat(self, fd: int, direct_fd: int, data: bytes, off: int
                           ) -> tuple[int, os.stat_result]:
-        return await self.write_call(_pwrite_stat, fd, direct_fd, data, off)
+        return await self.write_call(_pwrite_stat, fd, direct_fd, data, off, not self.inline)
 
     async def lstat(self, path: bytes) -> os.stat_result:
         return await self.read_call("stat", lstat, self.root_fd, path)
@@ -197,7 +197,7 @@ def _fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
 
-def _small_buffered(fd: int, direct_fd: int, data: bytes, off: int) -> bool:
+def _small_buffered(fd: int, direct_fd: int, data: bytes, off: int, fresh: bool = True) -> bool:
     """A write that goes to the page cache (not through the O_DIRECT twin) and is small."""
     return len(data) <= INLINE_WRITE_MAX and (direct_fd < 0 or not aio.aligned(off, len(data)))
 
@@ -214,12 +214,15 @@ def fs_type(fd: int) -> int:
     return buf.f_type
 
 
-def _pwrite_stat(fd: int, direct_fd: int, data: bytes, off: int
+def _pwrite_stat(fd: int, direct_fd: int, data: bytes, off: int, fresh: bool = True
                  ) -> tuple[int, os.stat_result]:
     """Write all of `data` at `off`, then fstat: one thread hop. An aligned write goes as
-    asynchronous direct I/O, so writes to one file of a FUSE BACKING can overlap."""
+    asynchronous direct I/O, so writes to one file of a FUSE BACKING can overlap. `fresh`:
+    the attributes from the filesystem, not the kernel's cache of them (a network or FUSE
+    BACKING, issue 9); a local filesystem's fstat is never stale, and 7x cheaper (2 us
+    against 14 us for statx through ctypes)."""
     aio.pwrite_all(fd, direct_fd, [(data, off)])
-    return len(data), fresh_fstat(fd)        # not the kernel's cached attributes (issue 9)
+    return len(data), fresh_fstat(fd) if fresh else os.fstat(fd)
 
 
 # -- paths: relative to a descriptor of BACKING's root ----------------------------------------
