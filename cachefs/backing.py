@@ -103,7 +103,7 @@ class Backing:
         """Run a mutating call in a thread and wait for it, however long BACKING takes."""
         if self.inline:
             what = op_name(fn)
-            if what in INLINE_OPS or (fn is _pwrite_stat and _small_buffered(*args)):
+            if what in INLINE_OPS or (fn is _pwrite_stat and _small_buffered(*args[1:4])):
                 result = self._inline_call(what, fn, args)
                 await trio.lowlevel.checkpoint()
                 return result
@@ -197,7 +197,7 @@ def _fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
 
-def _small_buffered(fd: int, direct_fd: int, data: bytes, off: int, fresh: bool = True) -> bool:
+def _small_buffered(direct_fd: int, data: bytes, off: int) -> bool:
     """A write that goes to the page cache (not through the O_DIRECT twin) and is small."""
     return len(data) <= INLINE_WRITE_MAX and (direct_fd < 0 or not aio.aligned(off, len(data)))
 

@@ -57,8 +57,7 @@ class Cache:
         # Write-through opens get an O_DIRECT twin for AIO (aio.py) where BACKING is a FUSE or
         # network mount, whose direct writes the kernel serialises per file; on a local
         # filesystem buffered writes are what a plain directory does, and the twin would
-        # send each aligned write to the disk (bench/smallfiles.py: tar x 2.7 s -> see
-        # docs/benchmarks.md).
+        # send each aligned write to the disk.
         self._direct_twins = not self.write_back and not backing.inline
         self.files, self.pool, self.dirty = state.files, state.pool, state.dirty
         self.cachefiles, self.persister = state.cachefiles, state.persister

@@ -53,15 +53,15 @@ class OpenFile:
             return None
         try:
             if end - off == BLK_SIZE and not off & BLK_MASK:
-                # One whole block, the 4 KiB random read: its test inlined (covers() is
-                # 1 us of the ~8 us a hit costs in Python; bench/hits.sh).
+                # One whole block, the 4 KiB random read: its test inlined (covers() was
+                # 1 us of the ~8 us a hit cost in Python; bench/daemon_hits.sh).
                 x = cf.extents.get(off >> EXT_SHIFT)
                 b = (off >> BLK_SHIFT) & BLK_IN_EXT
                 if x is None or not x.valid >> b & 1:
                     return None
                 if x.freq < 3:
                     x.freq += 1
-                data = read_block(cf, x, b, off)
+                data = read_block(cf, cf.cache_fd, x, off)
             else:
                 if not cf.extents or not cf.covers(off, end):
                     return None

@@ -131,15 +131,16 @@ def recheck(fd: int, path: str, x: Extent, mask: int) -> int:
 CHECK_READS = [True]             # --no-read-checksums sets it off (mount.py): measuring only
 
 
-def read_block(cf: CachedFile, x: Extent, b: int, off: int) -> bytes:
-    """The valid block `b` of extent `x` at byte `off` of the cache file, checked against
-    its checksum when known (read_checked's one-block case, for the 4 KiB hit). Raises
-    Damaged."""
-    data = os.pread(cf.cache_fd, BLK_SIZE, off)
+def read_block(cf: CachedFile, fd: int, x: Extent | None, off: int) -> bytes:
+    """The block at byte `off` (block-aligned) of the cache file `fd`, checked against its
+    checksum when `x`, its extent, knows it. Raises Damaged."""
+    data = os.pread(fd, BLK_SIZE, off)
     if len(data) < BLK_SIZE:                # past the cache file's end: zeros, as in a hole
         data += bytes(BLK_SIZE - len(data))
-    if x.summed >> b & 1 and CHECK_READS[0] and _hash(data) & _SUM_MASK != x.sums[b]:
-        raise Damaged(cf, [(x, 1 << b)])
+    if x is not None and CHECK_READS[0]:
+        b = (off >> BLK_SHIFT) & (BLKS_PER_EXT - 1)
+        if x.summed >> b & 1 and _hash(data) & _SUM_MASK != x.sums[b]:
+            raise Damaged(cf, [(x, 1 << b)])
     return data
 
 
@@ -151,15 +152,12 @@ def read_checked(cf: CachedFile, fd: int, off: int, end: int) -> bytes:
         return data + bytes(end - off - len(data)) if len(data) < end - off else data
     a = off & ~_BLK_MASK
     z = (end + _BLK_MASK) & ~_BLK_MASK
-    data = os.pread(fd, z - a, a)
-    if len(data) < z - a:                   # past the cache file's end: zeros, as in a hole
-        data += bytes(z - a - len(data))
-    if z - a == BLK_SIZE:                   # one block: the 4 KiB random read
-        x = cf.extents.get(a >> EXT_SHIFT)
-        b = (a >> BLK_SHIFT) & (BLKS_PER_EXT - 1)
-        if x is not None and x.summed >> b & 1 and _hash(data) & _SUM_MASK != x.sums[b]:
-            raise Damaged(cf, [(x, 1 << b)])
+    if z - a == BLK_SIZE:                   # within one block
+        data = read_block(cf, fd, cf.extents.get(a >> EXT_SHIFT), a)
     else:
+        data = os.pread(fd, z - a, a)
+        if len(data) < z - a:               # past the cache file's end: zeros, as in a hole
+            data += bytes(z - a - len(data))
         _check(cf, data, a, z)
     if a == off and z == end:
         return data
