@@ -227,6 +227,8 @@ def cmd_flush(args: argparse.Namespace) -> int:
     try:
         client.request(args.mountpoint, "flush", timeout_s=None, on_progress=on_progress,
                        timeout=args.timeout)
+        if bar is not None:
+            bar.update(bar.total - bar.n)     # done: the last report may predate the end
     finally:
         if bar is not None:
             bar.close()
