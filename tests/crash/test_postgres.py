@@ -6,7 +6,8 @@ commit is there, pgbench's balances agree across its tables and with its history
 finds heap and indexes consistent, and pg_checksums finds no bad block.
 
 Runs where PostgreSQL's server binaries are installed (Debian's postgresql package) and a
-`postgres` user exists; skipped otherwise. PostgreSQL refuses to run as root, so the mount's
+`postgres` user exists; skipped otherwise. Write-through runs in the long tier only
+(CACHEFS_LONG=1). PostgreSQL refuses to run as root, so the mount's
 directories are made traversable for that user.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import mount_factory, wait_until
+from tests.conftest import env_long, mount_factory
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 PORT = "5497"
@@ -104,6 +105,9 @@ class Postgres:
 
 @pytest.mark.parametrize("mode", ["write-back", "write-through"])
 def test_postgres_survives_kill9_of_the_daemon(mode):
+    if mode == "write-through" and not env_long():
+        pytest.skip("long tier: CACHEFS_LONG=1 (write-back, the mode with data only on "
+                    "the SSD, runs in every tier)")
     bindir = pg_bindir()
     root = Path(tempfile.mkdtemp(prefix="cachefs-pg-", dir="/var/tmp"))
     os.chmod(root, 0o755)
