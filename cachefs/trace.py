@@ -55,11 +55,12 @@ def _traced(op: str, handler):
         try:
             result = await handler(*args)
         except BaseException as exc:
-            log.debug("trace %s %s -> %s in %d us", op, _args(params, args), _error(exc),
-                      (perf_counter_ns() - t0) // 1000)
+            us = (perf_counter_ns() - t0) // 1000      # before formatting the line
+            log.debug("trace %s %s -> %s in %d us", op, _args(params, args), _error(exc), us)
             raise
+        us = (perf_counter_ns() - t0) // 1000
         log.debug("trace %s %s -> %s%s in %d us", op, _args(params, args), _result(result),
-                  unit, (perf_counter_ns() - t0) // 1000)
+                  unit, us)
         return result
     return traced
 
