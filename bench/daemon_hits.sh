@@ -5,12 +5,17 @@
 # rounds (ABBA order: on these machines a single pair moves +-5 % and later runs tend to be
 # faster). Prints each round and the ratio of the sums.
 #   bash bench/daemon_hits.sh [SIZE_MB] [RUNTIME_S] [ROUNDS]
+# Writes instead (the issue's write-back target): RW=randwrite MODE=write-back bash ...
+# (the bare daemon then writes a copy of the file, so that cachefs never sees its file change
+# behind it; cachefs keeps its default dirty marks and write-back delay, so its destager
+# runs during the later rounds).
 # Which I/O bypasses the page cache: none of the daemons' reads (O_DIRECT only makes every
 # request reach the daemon, which preads its file from the page cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SIZE_MB=${1:-256}; RUNTIME=${2:-8}; ROUNDS=${3:-6}
+RW=${RW:-randread}; MODE=${MODE:-write-through}
 D=$(mktemp -d /var/tmp/cachefs-dhits.XXXX)
 cleanup() {
     for m in "$D/nopt" "$D/pt"; do
@@ -21,20 +26,22 @@ cleanup() {
 trap cleanup EXIT
 mkdir -p "$D/backing" "$D/cache" "$D/nopt" "$D/pt"
 head -c "${SIZE_MB}M" /dev/urandom > "$D/backing/data"
+BARE=data
+if [ "$RW" != randread ]; then BARE=bare; cp "$D/backing/data" "$D/backing/bare"; fi
 sync
 $PY -m cachefs_cli.main mount --cache-dir "$D/cache" --cache-size $((SIZE_MB * 2))M \
-    --no-passthrough "$D/backing" "$D/nopt"
+    --mode "$MODE" --no-passthrough "$D/backing" "$D/nopt"
 dd if="$D/nopt/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
 $PY bench/wait_cached.py "$D/nopt" $((SIZE_MB * 16)) 20 || true
 $PY bench/passthrough.py mount "$D/backing" "$D/pt"
 fio_iops() {
-    fio --name=x --filename="$1" --rw=randread --bs=4k --size="${SIZE_MB}M" --direct=1 \
+    fio --name=x --filename="$1" --rw="$RW" --bs=4k --size="${SIZE_MB}M" --direct=1 \
         --ioengine=libaio --iodepth=32 --runtime="$RUNTIME" --time_based --invalidate=0 \
-        --output-format=json | $PY -c 'import json,sys; print(round(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))'
+        --output-format=json | $PY -c 'import json,sys; j = json.load(sys.stdin)["jobs"][0]; print(round(j["read"]["iops"] + j["write"]["iops"]))'
 }
 for i in $(seq "$ROUNDS"); do
-    if [ $((i % 2)) = 1 ]; then c=$(fio_iops "$D/nopt/data"); b=$(fio_iops "$D/pt/data")
-    else b=$(fio_iops "$D/pt/data"); c=$(fio_iops "$D/nopt/data"); fi
+    if [ $((i % 2)) = 1 ]; then c=$(fio_iops "$D/nopt/data"); b=$(fio_iops "$D/pt/$BARE")
+    else b=$(fio_iops "$D/pt/$BARE"); c=$(fio_iops "$D/nopt/data"); fi
     echo "$c $b"
 done | $PY -c '
 import sys
