@@ -123,6 +123,15 @@ class Persister:
         store = self._store
         if not store.pending() and not self._punch and not self._written:
             return
+        # Once taken, a batch is committed (or requeued) and its holes punched whatever
+        # cancels the caller (the unmount cancelling the periodic commit, a flush with a
+        # timeout): a batch lost half-way would lose its drops, whose holes the next commit
+        # punches (valid rows over holes), and its dirty marks. Only the SSD is waited for.
+        with trio.CancelScope(shield=True):
+            await self._commit_batch(durable)
+
+    async def _commit_batch(self, durable: bool) -> None:
+        store = self._store
         self._journaled = set()                 # the journal rotates with the batch
         batch = store.take_batch()
         self._punch_committing.update(self._punch)

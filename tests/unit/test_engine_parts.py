@@ -283,6 +283,23 @@ async def test_batches_commit_in_the_order_taken_and_holes_go_after_their_commit
         ("take", ("b",)), ("commit", ("b",), True), ("punch", ((1, 1),))]
 
 
+async def test_a_batch_taken_is_committed_even_when_its_caller_is_cancelled(autojump_clock):
+    """A persist cancelled mid-commit (the unmount cancelling the periodic commit, a flush
+    with --timeout) must not lose its batch: the drops in it would never reach the database
+    while the next persist punched their holes (valid rows over holes at the next mount,
+    found by the random-operation test), and dirty marks in it would be forgotten."""
+    p, store, log = _persister()
+    store.queued = ["drop extent (1, 0)"]
+    p.evicted((1, 0))
+    with trio.move_on_after(0.5):                    # cancelled while its commit runs
+        await p.persist()
+    await p.persist(durable=True)                    # the shutdown's last commit
+    events = [e for e in log if e[0] != "journal"]
+    assert ("commit", ("drop extent (1, 0)",), True) in events, events
+    assert events.index(("punch", ((1, 0),))) > events.index(
+        ("commit", ("drop extent (1, 0)",), True)), events
+
+
 async def test_a_failed_commit_is_requeued_and_its_holes_wait(autojump_clock):
     p, store, log = _persister()
     store.queued = ["a"]
