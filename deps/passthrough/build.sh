@@ -35,7 +35,8 @@ FORCE=0
 PYFUSE3_VERSION=3.5.0
 PYFUSE3_SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 FUSE3_MIN=3.17.1
-PATCH=$HERE/pyfuse3-passthrough.patch
+# Applied in this order: FUSE passthrough, then taking queued requests without a scheduler pass.
+PATCHES=("$HERE/pyfuse3-passthrough.patch" "$HERE/pyfuse3-queued-requests.patch")
 REQS=$HERE/build-requirements.txt
 
 die() { echo "build.sh: $*" >&2; exit 1; }
@@ -72,7 +73,7 @@ for tool in gcc pkg-config apt-get dpkg-source patch sha256sum; do
 done
 [ -r /usr/share/keyrings/debian-archive-keyring.gpg ] \
     || die "/usr/share/keyrings/debian-archive-keyring.gpg is missing (apt-get install debian-archive-keyring)."
-[ -r "$PATCH" ] || die "the patch $PATCH is missing."
+for p in "${PATCHES[@]}"; do [ -r "$p" ] || die "the patch $p is missing."; done
 
 if [ -n "$VENV" ]; then
     if [ ! -x "$VENV/bin/python" ]; then
@@ -176,13 +177,15 @@ if [ ! -f "$SDIST" ] || [ "$(sha256sum < "$SDIST" | cut -d' ' -f1)" != "$PYFUSE3
 fi
 
 # ---------------------------------------------------------------- patched pyfuse3 wheel
-# The local version label ties the wheel to the patch: 3.5.0+pt<sha256 of the patch, 8 hex>.
-PT_VERSION=$PYFUSE3_VERSION+pt$(sha256sum < "$PATCH" | cut -c1-8)
+# The local version label ties the wheel to the patches: 3.5.0+pt<sha256 of them, 8 hex>.
+PT_VERSION=$PYFUSE3_VERSION+pt$(cat "${PATCHES[@]}" | sha256sum | cut -c1-8)
 WHEEL=$(ls "$WORK"/wheels/pyfuse3-"${PT_VERSION}"-cp"${PYVER/./}"-*.whl 2>/dev/null | head -n 1)
 if [ $FORCE = 1 ] || [ -z "$WHEEL" ]; then
     rm -rf "$WORK/pyfuse3-src" "$WORK/wheels"; mkdir -p "$WORK/pyfuse3-src" "$WORK/wheels"
     step unpack-sdist tar xzf "$SDIST" -C "$WORK/pyfuse3-src" --strip-components=1
-    step patch patch -d "$WORK/pyfuse3-src" -p1 --forward --input="$PATCH"
+    for p in "${PATCHES[@]}"; do
+        step "patch-$(basename "$p" .patch)" patch -d "$WORK/pyfuse3-src" -p1 --forward --input="$p"
+    done
     rm -f "$WORK/pyfuse3-src/src/pyfuse3/__init__.c"          # force Cython to regenerate it
     step pyfuse3-wheel env SETUPTOOLS_SCM_PRETEND_VERSION="$PT_VERSION" \
         LDFLAGS="-Wl,-rpath,$PREFIX/lib ${LDFLAGS:-}" \
