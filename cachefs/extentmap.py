@@ -136,15 +136,16 @@ class ExtentMap:
             self._changed(cf, x)
 
     def write(self, cf: CachedFile, x: Extent, mask: int, whole: int = 0,
-              changed: bool = True) -> None:
+              changed: bool = True, data=None, data_off: int = 0) -> None:
         """Blocks `mask` now hold a write-back write's bytes: valid and dirty, and rewritten
         since the destager's snapshot. `whole`: the blocks it rewrote entirely (damaged
-        ones among them are whole again); `changed` False: the bytes are as they were."""
+        ones among them are whole again); `changed` False: the bytes are as they were;
+        `data`: the bytes written at `data_off` (whole blocks are summed from them)."""
         x.valid |= mask
         x.redirty |= mask
         x.bad &= ~whole
         if changed:
-            self._resum(cf, x, mask)
+            self._resum(cf, x, mask, data, data_off)
         self.dirty.set(cf, x, mask)
         self._changed(cf, x)
 
@@ -163,12 +164,13 @@ class ExtentMap:
             self._resum(cf, x, x.valid)
         self._changed(cf, x)
 
-    def _resum(self, cf: CachedFile, x: Extent, mask: int) -> None:
+    def _resum(self, cf: CachedFile, x: Extent, mask: int, data=None, data_off: int = 0
+               ) -> None:
         held = cf.held
         if held is not None and held.mapped_writable:
             x.summed &= ~mask                   # a mapping may write them any time
         else:
-            resum(cf.cache_fd, x, mask)
+            resum(cf.cache_fd, x, mask, data, data_off)
 
     def damaged(self, cf: CachedFile, x: Extent, clean: int, dirty: int) -> None:
         """Blocks that failed their checksums: the clean ones are forgotten (BACKING has

@@ -61,10 +61,12 @@ def restore_sums(x: Extent, raw: bytes | None, summed: int) -> None:
     x.summed = summed & x.valid
 
 
-def resum(fd: int, x: Extent, mask: int) -> None:
+def resum(fd: int, x: Extent, mask: int, data=None, data_off: int = 0) -> None:
     """Blocks `mask` of `x` just got new bytes in the cache file `fd`: take their checksums
     from the file. Blocks known damaged keep theirs (a partial rewrite must not bless the
-    rest of a damaged block); without a descriptor or on a read error they become unknown."""
+    rest of a damaged block); without a descriptor or on a read error they become unknown.
+    `data`, the bytes just written at `data_off` in the same synchronous step: the blocks it
+    holds whole are summed from it (they are what the file holds), the others read back."""
     mask &= ~x.bad
     if not mask:
         return
@@ -76,6 +78,19 @@ def resum(fd: int, x: Extent, mask: int) -> None:
     if sums is None:
         sums = x.sums = array("I", _ZERO_SUMS)
     base = x.ext << EXT_SHIFT
+    if data is not None:
+        # Blocks of the extent lying wholly inside [data_off, data_off + len(data)).
+        b0 = max(0, (data_off - base + _BLK_MASK) >> BLK_SHIFT)
+        b1 = min(BLKS_PER_EXT, (data_off + len(data) - base) >> BLK_SHIFT)
+        view = memoryview(data)
+        for b in range(b0, b1):
+            if mask >> b & 1:
+                lo = base + (b << BLK_SHIFT) - data_off
+                sums[b] = _hash(view[lo:lo + BLK_SIZE]) & _SUM_MASK
+                x.summed |= 1 << b
+                mask &= ~(1 << b)
+        if not mask:
+            return
     for b0, b1 in runs(mask):
         n = (b1 - b0) << BLK_SHIFT
         run = ((1 << b1) - 1) ^ ((1 << b0) - 1)

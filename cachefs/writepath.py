@@ -174,7 +174,8 @@ class WritePath(HeldWrites):
             if x is None:
                 x = self._s.map.add(cf, e)
             base = e << EXT_SHIFT
-            self._s.map.write(cf, x, m, whole=covered_mask(s - base, t - base, cf.size - base))
+            self._s.map.write(cf, x, m, whole=covered_mask(s - base, t - base, cf.size - base),
+                              data=data, data_off=off)
         self._s.persist_identity(cf)
 
     async def _write_around(self, of: OpenFile, off: int, data: bytes) -> int:
