@@ -9,6 +9,9 @@
 # (the bare daemon then writes a copy of the file, so that cachefs never sees its file change
 # behind it; cachefs keeps its default dirty marks and write-back delay, so its destager
 # runs during the later rounds).
+# BARE_PYTHONPATH=DIR runs the bare daemon with DIR first on PYTHONPATH: a pyfuse3 installed
+# there without deps/passthrough/pyfuse3-queued-requests.patch gives the reference as the issue
+# measured it (a stock pyfuse3 loop: two scheduler passes per request).
 # Which I/O bypasses the page cache: none of the daemons' reads (O_DIRECT only makes every
 # request reach the daemon, which preads its file from the page cache).
 set -euo pipefail
@@ -33,7 +36,7 @@ $PY -m cachefs_cli.main mount --cache-dir "$D/cache" --cache-size $((SIZE_MB * 2
     --mode "$MODE" --no-passthrough "$D/backing" "$D/nopt"
 dd if="$D/nopt/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
 $PY bench/wait_cached.py "$D/nopt" $((SIZE_MB * 16)) 20 || true
-$PY bench/passthrough.py mount "$D/backing" "$D/pt"
+PYTHONPATH=${BARE_PYTHONPATH:-${PYTHONPATH:-}} $PY bench/passthrough.py mount "$D/backing" "$D/pt"
 fio_iops() {
     fio --name=x --filename="$1" --rw="$RW" --bs=4k --size="${SIZE_MB}M" --direct=1 \
         --ioengine=libaio --iodepth=32 --runtime="$RUNTIME" --time_based --invalidate=0 \

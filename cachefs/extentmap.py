@@ -92,15 +92,16 @@ class ExtentMap:
     # Verbs that mark blocks valid after new bytes went into the cache file take their
     # checksums from it (integrity.resum), in the same synchronous step as the write.
 
-    def add(self, cf: CachedFile, e: int, valid: int = 0) -> Extent:
+    def add(self, cf: CachedFile, e: int, valid: int = 0, data=None, data_off: int = 0
+            ) -> Extent:
         """A new extent of `cf` (its valid blocks are in the cache file already; blocks
-        marked valid later get their checksums then)."""
+        marked valid later get their checksums then); `data` as for `fill`."""
         key = (cf.ino, e)
         if self.persister.punching(key):
             raise InvariantError(f"extent {key} added while its hole is being punched")
         x = cf.extents[e] = Extent(cf.ino, e, valid)
         if valid:
-            self._resum(cf, x, valid)
+            self._resum(cf, x, valid, data, data_off)
         self.pool.insert(x)
         self.persister.reused(key)
         if len(cf.extents) == 1:
@@ -120,19 +121,23 @@ class ExtentMap:
             self.dirty.set(cf, x, dirty)
         return x
 
-    def fill(self, cf: CachedFile, x: Extent, mask: int) -> None:
+    def fill(self, cf: CachedFile, x: Extent, mask: int, data=None, data_off: int = 0
+             ) -> None:
         """Blocks `mask` now hold BACKING's bytes (a fill, a write-through update, the zeros
-        a truncation left in the block holding the end)."""
+        a truncation left in the block holding the end); `data`: the bytes just written at
+        `data_off` (whole blocks are summed from them)."""
         x.valid |= mask
-        self._resum(cf, x, mask)
+        self._resum(cf, x, mask, data, data_off)
         self._changed(cf, x)
 
-    def rewritten(self, cf: CachedFile, x: Extent, mask: int) -> None:
+    def rewritten(self, cf: CachedFile, x: Extent, mask: int, data=None, data_off: int = 0
+                  ) -> None:
         """New bytes went into blocks `mask` that stay as valid (and dirty) as they were: a
-        write-through update or a mirror of a partial block a fill made valid meanwhile."""
+        write-through update or a mirror of a partial block a fill made valid meanwhile;
+        `data` as for `fill`."""
         mask &= x.valid
         if mask:
-            self._resum(cf, x, mask)
+            self._resum(cf, x, mask, data, data_off)
             self._changed(cf, x)
 
     def write(self, cf: CachedFile, x: Extent, mask: int, whole: int = 0,

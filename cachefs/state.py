@@ -255,10 +255,10 @@ class CacheState:
             self.ssd_failed(exc, "a promotion")   # only invalid blocks were written: the
             self.cachefiles.close_idle(cf)               # map is unchanged and still true
             return False
-        if x is None:
-            self.map.add(cf, e, valid)
+        if x is None:                   # the blocks just written are summed from `chunk`
+            self.map.add(cf, e, valid, chunk, base)
         else:
-            self.map.fill(cf, x, fill)
+            self.map.fill(cf, x, fill, chunk, base)
         self.stats.promotions += 1
         self.cachefiles.close_idle(cf)
         return True

@@ -365,8 +365,10 @@ class WritePath(HeldWrites):
                 self._s.map.remove(cf, x)
                 continue
             # Blocks filled during the write hold our bytes now and BACKING's elsewhere.
-            self._s.map.rewritten(cf, x, ok)    # partial blocks a fill made valid meanwhile
-            self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base) & ok)
+            whole = covered_mask(s - base, t - base, cf.size - base) & ok
+            # Partial blocks a fill made valid meanwhile hold our bytes and BACKING's.
+            self._s.map.rewritten(cf, x, ok & ~whole, data, off)
+            self._s.map.fill(cf, x, whole, data, off)
 
     async def truncate(self, ino: int, size: int, path: bytes, fd: int | None
                        ) -> os.stat_result:
