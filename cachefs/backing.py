@@ -42,6 +42,11 @@ INLINE_OPS = frozenset({"stat", "open", "getxattr", "listxattr", "readlink", "st
                         "setattr", "setxattr", "removexattr", "mkdir", "mknod", "symlink",
                         "link", "unlink", "rename", "rmdir", "create", "truncate"})
 INLINE_WRITE_MAX = 64 << 10
+# Inline calls are followed by a schedule point at most this often: a pass through trio's
+# scheduler costs more than most inline calls, and pyfuse3 (pyfuse3-queued-requests.patch)
+# already lets the other tasks run every 16 requests; this bounds loops of inline calls
+# outside FUSE requests (a destage pass of small runs, a cancelled caller's loop).
+INLINE_YIELD_S = 0.001
 
 
 class Backing:
@@ -61,6 +66,7 @@ class Backing:
         self.root_fd = root_fd          # BACKING's root (open_root): paths are relative to it
         self.health = health if health is not None else BackingHealth()
         self.inline = inline
+        self._yielded_s = 0.0           # the last schedule point after an inline call
 
     def _inline_call(self, what: str, fn: Callable[..., Any], args: tuple) -> Any:
         health = self.health
@@ -76,11 +82,20 @@ class Backing:
             health.succeeded(what, period)
         return result
 
+    def _yield_due(self) -> bool:
+        """After an inline call: whether a schedule point is due (INLINE_YIELD_S)."""
+        now = self.health.ok_s
+        if now - self._yielded_s < INLINE_YIELD_S:
+            return False
+        self._yielded_s = now
+        return True
+
     async def read_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a read-only call in a thread; raise BackingTimeout (EIO) if it stalls."""
         if self.inline and what in INLINE_OPS:
             result = self._inline_call(what, fn, args)
-            await trio.lowlevel.checkpoint()        # an await stays a checkpoint
+            if self._yield_due():
+                await trio.lowlevel.checkpoint()
             return result
         health = self.health
         period = health.period
@@ -105,7 +120,8 @@ class Backing:
             what = op_name(fn)
             if what in INLINE_OPS or (fn is _pwrite_stat and _small_buffered(*args[1:4])):
                 result = self._inline_call(what, fn, args)
-                await trio.lowlevel.checkpoint()
+                if self._yield_due():
+                    await trio.lowlevel.checkpoint()
                 return result
         health = self.health
         period = health.period
