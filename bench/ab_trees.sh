@@ -15,14 +15,8 @@ SIZE_MB=${2:-256}; RUNTIME=${3:-6}; ROUNDS=${4:-4}
 RW=${RW:-randread}; MODE=${MODE:-write-through}
 [ -d "$OLD/cachefs" ] && [ -e "$OLD/cachefs_cli" ] \
     || { echo "ab_trees.sh: $OLD has no cachefs/ and cachefs_cli (ln -s cli cachefs_cli)." >&2; exit 2; }
-D=$(mktemp -d /var/tmp/cachefs-ab.XXXX)
-cleanup() {
-    for m in "$D/m-old" "$D/m-new"; do
-        grep -q " $m fuse" /proc/mounts && { fusermount3 -u "$m" || fusermount3 -u -z "$m"; }
-    done
-    sleep 1; rm -rf "$D"
-}
-trap cleanup EXIT
+. "$NEW/bench/rounds.sh"
+scratch cachefs-ab m-old m-new
 cd /tmp
 for v in old new; do
     mkdir -p "$D/b-$v" "$D/c-$v" "$D/m-$v"
@@ -33,19 +27,5 @@ for v in old new; do
     dd if="$D/m-$v/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
     PYTHONPATH=$tree $PY "$NEW/bench/wait_cached.py" "$D/m-$v" $((SIZE_MB * 16)) 20 || true
 done
-fio_iops() {
-    fio --name=x --filename="$1" --rw="$RW" --bs=4k --size="${SIZE_MB}M" --direct=1 \
-        --ioengine=libaio --iodepth=32 --runtime="$RUNTIME" --time_based --invalidate=0 \
-        --output-format=json | $PY -c 'import json,sys; j = json.load(sys.stdin)["jobs"][0]; print(round(j["read"]["iops"] + j["write"]["iops"]))'
-}
-for i in $(seq "$ROUNDS"); do
-    if [ $((i % 2)) = 1 ]; then o=$(fio_iops "$D/m-old/data"); n=$(fio_iops "$D/m-new/data")
-    else n=$(fio_iops "$D/m-new/data"); o=$(fio_iops "$D/m-old/data"); fi
-    echo "$o $n"
-done | $PY -c '
-import sys
-rows = [tuple(map(int, l.split())) for l in sys.stdin]
-for i, (o, n) in enumerate(rows, 1):
-    print(f"round {i}: old {o:,} IOPS, new {n:,} IOPS, {n / o:.3f}x")
-o, n = sum(r[0] for r in rows), sum(r[1] for r in rows)
-print(f"all rounds ('"$RW $MODE"'): old {o / len(rows):,.0f} vs new {n / len(rows):,.0f} IOPS = {n / o:.3f}x")'
+echo "$RW $MODE:"
+alternate new "$D/m-new/data" old "$D/m-old/data"

@@ -19,14 +19,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SIZE_MB=${1:-256}; RUNTIME=${2:-8}; ROUNDS=${3:-6}
 RW=${RW:-randread}; MODE=${MODE:-write-through}
-D=$(mktemp -d /var/tmp/cachefs-dhits.XXXX)
-cleanup() {
-    for m in "$D/nopt" "$D/pt"; do
-        grep -q " $m fuse" /proc/mounts && { fusermount3 -u "$m" || fusermount3 -u -z "$m"; }
-    done
-    sleep 1; rm -rf "$D"
-}
-trap cleanup EXIT
+. bench/rounds.sh
+scratch cachefs-dhits nopt pt
 mkdir -p "$D/backing" "$D/cache" "$D/nopt" "$D/pt"
 head -c "${SIZE_MB}M" /dev/urandom > "$D/backing/data"
 BARE=data
@@ -37,19 +31,4 @@ $PY -m cachefs_cli.main mount --cache-dir "$D/cache" --cache-size $((SIZE_MB * 2
 dd if="$D/nopt/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
 $PY bench/wait_cached.py "$D/nopt" $((SIZE_MB * 16)) 20 || true
 PYTHONPATH=${BARE_PYTHONPATH:-${PYTHONPATH:-}} $PY bench/passthrough.py mount "$D/backing" "$D/pt"
-fio_iops() {
-    fio --name=x --filename="$1" --rw="$RW" --bs=4k --size="${SIZE_MB}M" --direct=1 \
-        --ioengine=libaio --iodepth=32 --runtime="$RUNTIME" --time_based --invalidate=0 \
-        --output-format=json | $PY -c 'import json,sys; j = json.load(sys.stdin)["jobs"][0]; print(round(j["read"]["iops"] + j["write"]["iops"]))'
-}
-for i in $(seq "$ROUNDS"); do
-    if [ $((i % 2)) = 1 ]; then c=$(fio_iops "$D/nopt/data"); b=$(fio_iops "$D/pt/$BARE")
-    else b=$(fio_iops "$D/pt/$BARE"); c=$(fio_iops "$D/nopt/data"); fi
-    echo "$c $b"
-done | $PY -c '
-import sys
-rows = [tuple(map(int, l.split())) for l in sys.stdin]
-for i, (c, b) in enumerate(rows, 1):
-    print(f"round {i}: cachefs --no-passthrough {c:,} IOPS, bare pyfuse3 {b:,} IOPS, {c / b:.2f}x")
-c, b = sum(r[0] for r in rows), sum(r[1] for r in rows)
-print(f"all rounds: {c / len(rows):,.0f} vs {b / len(rows):,.0f} IOPS = {c / b:.3f}x")'
+alternate "cachefs --no-passthrough" "$D/nopt/data" "bare pyfuse3" "$D/pt/$BARE"
