@@ -78,8 +78,9 @@ class FS(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode
-        a.st_mode = (stat.S_IFDIR | 0o755) if inode == pyfuse3.ROOT_INODE else (stat.S_IFREG | 0o644)
-        a.st_size = 0 if inode == pyfuse3.ROOT_INODE else 1 << 30
+        root = inode == pyfuse3.ROOT_INODE
+        a.st_mode = (stat.S_IFDIR | 0o755) if root else (stat.S_IFREG | 0o644)
+        a.st_size = 0 if root else 1 << 30
         a.st_nlink = 1
         return a
 
