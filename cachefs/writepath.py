@@ -75,7 +75,8 @@ class WritePath(HeldWrites):
             if cf.shrinking is not None:
                 await cf.shrinking.wait()           # a truncate is committing its new end
                 continue
-            if any(self.persister.punching((cf.ino, e)) for e in range(first, last + 1)):
+            if (self.persister.punching((cf.ino, first)) if first == last else
+                    any(self.persister.punching((cf.ino, e)) for e in range(first, last + 1))):
                 # The hole of an extent this write needs is being punched (it was evicted
                 # and its space is being released): data put there now would be zeroed.
                 self.stats.punch_waits += 1
@@ -108,7 +109,10 @@ class WritePath(HeldWrites):
                                   "not stay; it goes to BACKING", cf.ino, off)
                         return await self._write_around(of, off, data)
                 continue
-            missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
+            if first == last:
+                missing = 0 if first in cf.extents else 1
+            else:
+                missing = sum(1 for e in range(first, last + 1) if e not in cf.extents)
             if missing and not self._s.make_room(missing):
                 self.stats.throttled_writes += 1
                 if self._destager.failing() or not self._room_may_come():
