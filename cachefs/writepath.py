@@ -82,7 +82,7 @@ class WritePath(HeldWrites):
                 self.stats.punch_waits += 1
                 await self.persister.wait_punched()
                 continue
-            gaps = self._partial_gaps(cf, off, end)
+            gaps = self._partial_gaps(cf, off, end) if (off | end) & (BLK_SIZE - 1) else None
             if gaps:
                 if not of.readable:
                     return await self._write_around(of, off, data)
@@ -163,7 +163,7 @@ class WritePath(HeldWrites):
             if x is not None and x.valid & ~x.dirty & m:
                 self.persister.journal_dirtying(x.key)      # before clean data changes
         fd = self.cachefiles.fd(cf)
-        head, tail = self._zero_pads(cf, off, end)
+        head, tail = self._zero_pads(cf, off, end) if (off | end) & (BLK_SIZE - 1) else (0, 0)
         if cf.held is not None:      # the kernel reads a held cache file to its end
             tail = max(0, min(tail, cf.size - end))
         if head:
