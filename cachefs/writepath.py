@@ -82,7 +82,7 @@ class WritePath(HeldWrites):
                 self.stats.punch_waits += 1
                 await self.persister.wait_punched()
                 continue
-            gaps = self._partial_gaps(cf, off, end) if (off | end) & (BLK_SIZE - 1) else None
+            gaps = self._partial_gaps(cf, off, end)
             if gaps:
                 if not of.readable:
                     return await self._write_around(of, off, data)
@@ -163,7 +163,7 @@ class WritePath(HeldWrites):
             if x is not None and x.valid & ~x.dirty & m:
                 self.persister.journal_dirtying(x.key)      # before clean data changes
         fd = self.cachefiles.fd(cf)
-        head, tail = self._zero_pads(cf, off, end) if (off | end) & (BLK_SIZE - 1) else (0, 0)
+        head, tail = self._zero_pads(cf, off, end)
         if cf.held is not None:      # the kernel reads a held cache file to its end
             tail = max(0, min(tail, cf.size - end))
         if head:
@@ -234,6 +234,8 @@ class WritePath(HeldWrites):
         """Bytes to zero before and after a write in its partly written first and last
         blocks when those are not valid (past BACKING's end, so their other bytes are zeros;
         the cache file may still hold an evicted extent's old bytes there)."""
+        if not (off | end) & (BLK_SIZE - 1):
+            return 0, 0                     # block-aligned, the common case: nothing to pad
         pads = []
         for pos, before in ((off, True), (end, False)):
             part = pos & (BLK_SIZE - 1)
@@ -251,6 +253,8 @@ class WritePath(HeldWrites):
 
     def _partial_gaps(self, cf: CachedFile, off: int, end: int) -> list[int]:
         """Extents whose partly written first/last block holds BACKING bytes not cached."""
+        if not (off | end) & (BLK_SIZE - 1):
+            return []                       # block-aligned, the common case: no partial block
         backing_size = cf.identity[1] if cf.identity else 0
         gaps = []
         for pos, partial in ((off, off & (BLK_SIZE - 1)), (end, end & (BLK_SIZE - 1))):
