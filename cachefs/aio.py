@@ -109,13 +109,10 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
         iocbs = (_Iocb * n)()
         ptrs = (ctypes.POINTER(_Iocb) * n)()
         for i, (data, off) in enumerate(items):
-            buf = mmap.mmap(-1, len(data))              # page aligned, as O_DIRECT wants
-            buf[:] = data
-            bufs.append(buf)
             cb = iocbs[i]
             cb.opcode = _IOCB_CMD_PWRITE
             cb.fildes = fd
-            cb.buf = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            cb.buf = _aligned_address(data, bufs)
             cb.nbytes = len(data)
             cb.offset = off
             cb.data = i
@@ -157,5 +154,21 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
     finally:
         if not ok:
             _local.ctx = None        # it may still hold events of this call: never reuse it
-        for buf in bufs:
-            buf.close()
+        bufs.clear()                 # the exports and copies go (before the caller's buffer)
+
+
+def _aligned_address(data: bytes | memoryview, keep: list) -> int:
+    """The address of `data` for an O_DIRECT write: its own when it is writable memory on an
+    ALIGN boundary (a slice of the caller's mmap), else that of an aligned copy. What must
+    live until the write completes goes into `keep`."""
+    if isinstance(data, memoryview) and not data.readonly:
+        ref = ctypes.c_char.from_buffer(data)
+        addr = ctypes.addressof(ref)
+        if not addr & (ALIGN - 1):
+            keep.append(ref)
+            return addr
+        del ref
+    buf = mmap.mmap(-1, len(data))                      # page aligned, as O_DIRECT wants
+    buf[:] = data
+    keep.append(buf)
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))

@@ -40,3 +40,49 @@ def test_pwrite_all_writes_every_byte(tmp_path, use_direct):
     os.close(fd)
     if direct >= 0:
         os.close(direct)
+
+
+def test_aligned_slices_of_a_writable_buffer_are_written_in_place(tmp_path):
+    """A destage pass reads into one page-aligned mmap and writes its slices as they are;
+    anything else (bytes, a slice off the page boundary) goes through an aligned copy."""
+    import mmap
+    buf = mmap.mmap(-1, 3 * 4096)
+    view = memoryview(buf)
+    keep = []
+    assert aio._aligned_address(view[4096:8192], keep) == \
+        aio._aligned_address(view, []) + 4096                   # no copy: the slice itself
+    copied = aio._aligned_address(view[100:4196], keep)
+    assert copied % aio.ALIGN == 0 and copied != aio._aligned_address(view, []) + 100
+    assert aio._aligned_address(b"x" * 4096, keep) % aio.ALIGN == 0
+    keep.clear()
+    del view
+    buf.close()                   # no export of the buffer outlives the write
+
+
+def test_destage_io_writes_runs_and_zeros_past_the_cache_file_end(tmp_path):
+    """_destage_io copies the runs from the cache file to BACKING through one aligned buffer;
+    a run past the cache file's end (a file extended by a hole) goes out as zeros, and a
+    block failing its checksum is left out."""
+    from cachefs.integrity import block_sum
+    from cachefs.writeback import _destage_io
+    cache = tmp_path / "cache"
+    backing = tmp_path / "backing"
+    body = os.urandom(5 * 4096 + 300)
+    cache.write_bytes(body)
+    backing.write_bytes(b"\xee" * (9 * 4096))
+    runs = [(0, 2 * 4096), (3 * 4096, 2 * 4096 + 300), (7 * 4096, 2 * 4096)]
+    sums = {o: block_sum(body[o:o + 4096]) for o in (0, 4096, 3 * 4096)}
+    sums[4096] ^= 1                                   # the SSD "damaged" block 1
+    fd = os.open(backing, os.O_RDWR)
+    try:
+        _, damaged = _destage_io(str(cache), fd, runs, sums)
+    finally:
+        os.close(fd)
+    got = backing.read_bytes()
+    assert damaged == [4096]
+    assert got[:4096] == body[:4096]
+    assert got[4096:2 * 4096] == b"\xee" * 4096        # left out: BACKING keeps its bytes
+    assert got[2 * 4096:3 * 4096] == b"\xee" * 4096    # not in a run
+    assert got[3 * 4096:5 * 4096 + 300] == body[3 * 4096:]
+    assert got[5 * 4096 + 300:7 * 4096] == b"\xee" * (2 * 4096 - 300)
+    assert got[7 * 4096:] == bytes(2 * 4096)           # past the cache file's end: zeros
