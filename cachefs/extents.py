@@ -37,6 +37,8 @@ def covered_mask(start: int, end: int, eof_in_ext: int) -> int:
     A block is covered when the range starts at or before the block and reaches its end or
     the end of the file, whichever comes first.
     """
+    if not (start | end) & (BLK_SIZE - 1):
+        return block_mask(start, end)       # block-aligned: every block it touches, whole
     mask = 0
     b = (start + BLK_SIZE - 1) >> BLK_SHIFT
     while b < BLKS_PER_EXT:

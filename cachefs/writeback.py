@@ -434,8 +434,9 @@ def _checked(data: memoryview, off: int, sums: dict[int, int], damaged: list[int
     view = data
     items = []
     start = 0
+    get = sums.get
     for i in range(0, len(data), BLK_SIZE):
-        want = sums.get(off + i)
+        want = get(off + i)
         if want is None:
             continue
         blk = view[i:i + BLK_SIZE]

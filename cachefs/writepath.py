@@ -158,7 +158,13 @@ class WritePath(HeldWrites):
         caller writes the same bytes to BACKING (_write_around), so both agree again.
         """
         end = off + len(data)
-        for e, _, _, m in spans(off, end):
+        e = off >> EXT_SHIFT
+        if (end - 1) >> EXT_SHIFT == e:         # within one extent, the common case
+            base = e << EXT_SHIFT
+            parts = ((e, off, end, block_mask(off - base, end - base)),)
+        else:
+            parts = tuple(spans(off, end))
+        for e, _, _, m in parts:
             x = cf.extents.get(e)
             if x is not None and x.valid & ~x.dirty & m:
                 self.persister.journal_dirtying(x.key)      # before clean data changes
@@ -173,7 +179,7 @@ class WritePath(HeldWrites):
         pwrite_all(fd, data, off)
         if end > cf.size:
             cf.size = end
-        for e, s, t, m in spans(off, end):
+        for e, s, t, m in parts:
             x = cf.extents.get(e)
             if x is None:
                 x = self._s.map.add(cf, e)

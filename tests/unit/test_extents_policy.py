@@ -23,6 +23,31 @@ def test_covered_mask_needs_whole_blocks_or_eof():
     assert covered_mask(0, 65536, 65536) == FULL_MASK
 
 
+def test_covered_mask_matches_its_definition_block_by_block():
+    """The block-aligned shortcut gives what the definition gives, EOF anywhere (also
+    before the range's end, a write extending the file)."""
+    def reference(start, end, eof):
+        mask = 0
+        for b in range(16):
+            bs = b * 4096
+            if bs < start:
+                continue
+            if min(bs + 4096, max(eof, bs + 1)) > end:
+                break
+            mask |= 1 << b
+        return mask
+    rng = random.Random(11)
+    for _ in range(20000):
+        if rng.random() < 0.5:
+            start = rng.randrange(16) * 4096
+            end = rng.randrange(start // 4096 + 1, 17) * 4096
+        else:
+            start = rng.randrange(65536)
+            end = rng.randrange(start + 1, 65537)
+        eof = rng.choice([65536, rng.randrange(1, 65537), end, start + 1])
+        assert covered_mask(start, end, eof) == reference(start, end, eof), (start, end, eof)
+
+
 def test_covers_checks_every_block_and_counts_access():
     cf = CachedFile(5, (5, 200000, 1, 1))
     cf.extents[0] = Extent(5, 0, FULL_MASK)
