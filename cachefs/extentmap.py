@@ -27,7 +27,6 @@ quietly is worse than stopping); all of them with `--check-invariants` (tests, b
 from __future__ import annotations
 
 import os
-from typing import Iterator
 
 from .config import EXT_SIZE
 from .dirty import DirtyIndex
@@ -38,18 +37,22 @@ from .persist import Persister
 from .store import MetadataStore
 
 
-def spans(off: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+def spans(off: int, end: int) -> list[tuple[int, int, int, int]]:
     """(ext, start, stop, mask) for each extent that byte range [off, end) touches: the
     absolute byte range [start, stop) inside it and the mask of the blocks it touches."""
     e = off >> EXT_SHIFT
+    base = e << EXT_SHIFT
+    if end <= base + EXT_SIZE:              # within one extent: every 4 KiB request
+        return [(e, off, end, block_mask(off - base, end - base))] if end > off else []
+    out = []
     while True:
-        base = e << EXT_SHIFT
         s = off if off > base else base
         t = end if end < base + EXT_SIZE else base + EXT_SIZE
         if s >= t:
-            return
-        yield e, s, t, block_mask(s - base, t - base)
+            return out
+        out.append((e, s, t, block_mask(s - base, t - base)))
         e += 1
+        base = e << EXT_SHIFT
 
 
 def holes(fd: int, size: int, e: int, valid: int) -> int:

@@ -158,12 +158,7 @@ class WritePath(HeldWrites):
         caller writes the same bytes to BACKING (_write_around), so both agree again.
         """
         end = off + len(data)
-        e = off >> EXT_SHIFT
-        if (end - 1) >> EXT_SHIFT == e:         # within one extent, the common case
-            base = e << EXT_SHIFT
-            parts = ((e, off, end, block_mask(off - base, end - base)),)
-        else:
-            parts = tuple(spans(off, end))
+        parts = spans(off, end)
         for e, _, _, m in parts:
             x = cf.extents.get(e)
             if x is not None and x.valid & ~x.dirty & m:

@@ -155,3 +155,23 @@ def test_all_valid_counts_no_access():
     assert not cf.all_valid(100, 65536 + 4097)
     assert not cf.all_valid(2 << 16, (2 << 16) + 1)
     assert cf.extents[0].freq == 0
+
+
+def test_spans_cover_the_range_extent_by_extent():
+    """spans(): the one-extent shortcut and the general loop give the per-extent pieces of
+    [off, end) (empty for an empty range), in order, their masks the blocks they touch."""
+    from cachefs.extentmap import spans
+    rng = random.Random(12)
+    for _ in range(20000):
+        off = rng.randrange(1 << 20)
+        end = off + rng.choice([0, 1, 4096, 65536, rng.randrange(300000)])
+        parts = list(spans(off, end))
+        if end == off:
+            assert parts == []
+            continue
+        assert parts[0][1] == off and parts[-1][2] == end
+        for (e, s, t, m), nxt in zip(parts, parts[1:] + [None]):
+            base = e * 65536
+            assert base <= s < t <= base + 65536 and m == block_mask(s - base, t - base)
+            if nxt is not None:
+                assert nxt[0] == e + 1 and nxt[1] == t == base + 65536
