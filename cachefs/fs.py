@@ -55,6 +55,11 @@ def _errno_mapped(handler):
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
+    # FUSE_HANDLE_KILLPRIV_V2 (a pyfuse3 and libfuse with deps/passthrough's kill-suidgid
+    # patches): the kernel stops asking for security.capability before every write(2), and
+    # cachefs drops setuid/setgid bits itself where the kernel says so (write, truncate,
+    # O_TRUNC open by a caller without CAP_FSETID); chown drops them in BACKING itself.
+    enable_killpriv_v2 = True
 
     def __init__(self, cfg: Config, cache: Cache, inodes: InodeTable, control_path: str):
         super().__init__()
@@ -80,6 +85,16 @@ class Operations(pyfuse3.Operations):
     def init(self):
         self._modes.negotiated(bool(self.enable_passthrough
                                     and getattr(pyfuse3, "passthrough_enabled", bool)()))
+        killpriv = bool(getattr(pyfuse3, "killpriv_v2_enabled", bool)())
+        self._cache.stats.killpriv_v2 = int(killpriv)
+        if killpriv:
+            log.info("FUSE_HANDLE_KILLPRIV_V2: on (no security.capability request before "
+                     "each write; setuid/setgid bits are dropped by cachefs)")
+        else:
+            log.info("FUSE_HANDLE_KILLPRIV_V2: off (%s): the kernel asks for "
+                     "security.capability before each write",
+                     "not offered by the kernel" if hasattr(pyfuse3, "killpriv_v2_enabled")
+                     else "pyfuse3 without deps/passthrough/pyfuse3-kill-suidgid.patch")
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -161,6 +176,8 @@ class Operations(pyfuse3.Operations):
             path = b""                          # unlinked but open: the fd does it all
         if fields.update_size:
             await self._cache.truncate(inode, attr.st_size, path, fd)
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            self._ns.mode_changed(inode)
         mode = stat_mod.S_IMODE(attr.st_mode) if fields.update_mode else None
         uid = attr.st_uid if fields.update_uid else -1
         gid = attr.st_gid if fields.update_gid else -1
@@ -173,6 +190,8 @@ class Operations(pyfuse3.Operations):
         touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
                      or times is not None)
         st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch)
+        if getattr(fields, "kill_suidgid", False):      # a truncate by a caller w/o CAP_FSETID
+            st = await self._ns.kill_suidgid(inode, path, fd) or st
         self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
         if fields.update_mtime:
             self._attrs.mtime_set(inode)
@@ -284,6 +303,8 @@ class Operations(pyfuse3.Operations):
         fh = self._fh()
         of, keep = await self._cache.open(fh, inode, path, flags)
         self._fds.add(of)
+        if getattr(ctx, "kill_suidgid", False):         # O_TRUNC by a caller w/o CAP_FSETID
+            await self._kill_suidgid(of)
         return _file_info(self._modes.answer(of, keep))
 
     @_errno_mapped
@@ -297,6 +318,11 @@ class Operations(pyfuse3.Operations):
                                           lambda st: self._inodes.remember(parent_inode,
                                                                            name, st))
         self._fds.add(of)
+        if getattr(ctx, "kill_suidgid", False):     # it existed, O_TRUNC, no CAP_FSETID
+            killed = await self._ns.kill_suidgid(of.ino, b"", of.backing_fd)
+            if killed is not None:
+                self._cache.own_metadata_change(of.ino, killed)
+                st = killed
         if st.st_size == 0:
             self._ns.created(of.ino)            # new (or emptied): no security.capability
         return _file_info(self._modes.answer(of, True)), self._attr(st, of.ino)
@@ -321,13 +347,21 @@ class Operations(pyfuse3.Operations):
         return data
 
     @_errno_mapped
-    async def write(self, fh, off, buf):
+    async def write(self, fh, off, buf, kill_suidgid=False):
         of = self._open[fh]
+        if kill_suidgid:                    # by a caller without CAP_FSETID (KILLPRIV_V2)
+            await self._kill_suidgid(of)
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)
         self._attrs.written(of.ino)
         return n
+
+    async def _kill_suidgid(self, of) -> None:
+        """Drop the setuid/setgid bits of an open file where Linux would (Namespace)."""
+        st = await self._ns.kill_suidgid(of.ino, b"", of.backing_fd)
+        if st is not None:
+            self._cache.own_metadata_change(of.ino, st)
 
     async def flush(self, fh):
         # Nothing to do at a close(2): ENOSYS makes the kernel stop sending FLUSH at all, one

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat as stat_mod
 import time
 
 from . import backing as bk
@@ -29,6 +30,11 @@ class Namespace:
         # outside setcap on BACKING is seen within --attr-timeout, as attributes are.
         self._no_caps: dict[int, float] = {}
         self._caps_ttl_s = attr_timeout_s
+        # FUSE_HANDLE_KILLPRIV_V2: every write by a caller without CAP_FSETID asks us to drop
+        # the file's setuid/setgid bits: inode -> until when its mode is known to have none
+        # (set on a look, dropped by a chmod through the mount; an outside chmod on BACKING
+        # is seen within --attr-timeout, as attributes are).
+        self._no_sxid: dict[int, float] = {}
 
     async def lstat(self, path: bytes) -> os.stat_result:
         return await self._backing.lstat(path)
@@ -80,6 +86,32 @@ class Namespace:
 
     async def statvfs(self) -> os.statvfs_result:
         return await self._backing.read_call("statfs", bk.statvfs, self._root)
+
+    async def kill_suidgid(self, ino: int, path: bytes, fd: int | None
+                           ) -> os.stat_result | None:
+        """Drop the setuid bit, and the setgid bit of a group-executable file, as Linux does
+        for a write, truncate or O_TRUNC open by a caller without CAP_FSETID (the kernel
+        leaves it to the file system with FUSE_HANDLE_KILLPRIV_V2 and says when). Returns
+        BACKING's new stat, or None when there was nothing to drop."""
+        until = self._no_sxid.get(ino)
+        if until is not None and until > time.monotonic():
+            return None
+        st = await (self.fstat(fd) if fd is not None else self.lstat(path))
+        mode = st.st_mode
+        keep = mode & ~stat_mod.S_ISUID
+        if mode & (stat_mod.S_ISGID | stat_mod.S_IXGRP) == stat_mod.S_ISGID | stat_mod.S_IXGRP:
+            keep &= ~stat_mod.S_ISGID
+        if keep == mode or not stat_mod.S_ISREG(mode):
+            if len(self._no_sxid) >= 4096:
+                now = time.monotonic()
+                self._no_sxid = {i: t for i, t in self._no_sxid.items() if t > now}
+            self._no_sxid[ino] = time.monotonic() + self._caps_ttl_s
+            return None
+        return await self.setattr(path, fd, stat_mod.S_IMODE(keep), -1, -1, None, False)
+
+    def mode_changed(self, ino: int) -> None:
+        """A chmod (or chown) of `ino` through the mount: its setuid/setgid bits may be new."""
+        self._no_sxid.pop(ino, None)
 
     def created(self, ino: int) -> None:
         """A file was just created through the mount: it has no security.capability."""

@@ -67,6 +67,7 @@ class Stats:
         self.lat_hit, self.lat_miss, self.lat_bypass, self.lat_write, self.lat_fsync, \
             self.lat_destage = hists = tuple(Histogram() for _ in TIERS)
         self.latency = dict(zip(TIERS, hists))
+        self.killpriv_v2 = 0        # FUSE_HANDLE_KILLPRIV_V2 in effect (fs.init): not a counter
         self.lifetime_base: dict[str, int] = {}     # totals of all earlier mounts
         self.lifetime_since: float | None = None    # wall time the totals started
 
@@ -92,6 +93,7 @@ class Stats:
         out["byte_hit_ratio"] = _ratio(self.hit_bytes, self.read_bytes)
         out["drops"] = {r: getattr(self, "drop_" + r) for r in DROP_REASONS}
         out["uptime_s"] = round(time.monotonic() - self.started_s, 1)
+        out["killpriv_v2"] = "on" if self.killpriv_v2 else "off"
         out["latency"] = {tier: h.snapshot() for tier, h in self.latency.items()}
         return out
 

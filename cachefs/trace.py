@@ -50,10 +50,10 @@ def _traced(op: str, handler):
     unit = " B" if op == "write" else ""        # write returns the count of bytes written
 
     @functools.wraps(handler)
-    async def traced(*args):
+    async def traced(*args, **kwargs):
         t0 = perf_counter_ns()
         try:
-            result = await handler(*args)
+            result = await handler(*args, **kwargs)
         except BaseException as exc:
             us = (perf_counter_ns() - t0) // 1000      # before formatting the line
             log.debug("trace %s %s -> %s in %d us", op, _args(params, args), _error(exc), us)

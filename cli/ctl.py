@@ -192,6 +192,9 @@ def render(s: dict) -> str:
                    f"(limit {format_size(s['pinned_limit'])}); prefetched "
                    f"{format_size(s['prefetched_bytes'])}"),
         ("passthrough", passthrough_summary(s)),
+        ("killpriv v2", {"on": "on (no security.capability request before each write)",
+                         "off": "off (the kernel asks for security.capability before each "
+                                "write)"}.get(s.get("killpriv_v2"), "unknown")),
         ("integrity", integrity_summary(s)),
         ("BACKING health", health_summary(s.get("backing_health"))),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']} (full "

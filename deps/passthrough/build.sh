@@ -35,8 +35,11 @@ FORCE=0
 PYFUSE3_VERSION=3.5.0
 PYFUSE3_SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 FUSE3_MIN=3.17.1
-# Applied in this order: FUSE passthrough, then taking queued requests without a scheduler pass.
-PATCHES=("$HERE/pyfuse3-passthrough.patch" "$HERE/pyfuse3-queued-requests.patch")
+# Applied in this order: FUSE passthrough, then taking queued requests without a scheduler pass,
+# then FUSE_CAP_HANDLE_KILLPRIV_V2 (needs the libfuse patch: the kernel's kill-suid/sgid flags).
+PATCHES=("$HERE/pyfuse3-passthrough.patch" "$HERE/pyfuse3-queued-requests.patch"
+         "$HERE/pyfuse3-kill-suidgid.patch")
+LIBFUSE_PATCHES=("$HERE/libfuse-kill-suidgid.patch")
 REQS=$HERE/build-requirements.txt
 
 die() { echo "build.sh: $*" >&2; exit 1; }
@@ -73,7 +76,7 @@ for tool in gcc pkg-config apt-get dpkg-source patch sha256sum; do
 done
 [ -r /usr/share/keyrings/debian-archive-keyring.gpg ] \
     || die "/usr/share/keyrings/debian-archive-keyring.gpg is missing (apt-get install debian-archive-keyring)."
-for p in "${PATCHES[@]}"; do [ -r "$p" ] || die "the patch $p is missing."; done
+for p in "${PATCHES[@]}" "${LIBFUSE_PATCHES[@]}"; do [ -r "$p" ] || die "the patch $p is missing."; done
 
 if [ -n "$VENV" ]; then
     if [ ! -x "$VENV/bin/python" ]; then
@@ -143,11 +146,15 @@ version_ge "$FUSE3_VERSION" "$FUSE3_MIN" \
 # ---------------------------------------------------------------- libfuse build + install
 MESON_OPTS=(--prefix="$PREFIX" --libdir=lib --buildtype=release -Dexamples=false -Dutils=false
             -Dtests=false -Dinitscriptdir= -Duseroot=false -Dudevrulesdir="$PREFIX/etc/udev/rules.d")
-FUSE_STAMP="fuse3 $DEB_VERSION ${MESON_OPTS[*]}"
+FUSE_STAMP="fuse3 $DEB_VERSION ${MESON_OPTS[*]} patches $(cat "${LIBFUSE_PATCHES[@]}" | sha256sum | cut -c1-8)"
 if [ $FORCE = 1 ] || [ "$(cat "$PREFIX/.cachefs-fuse-stamp" 2>/dev/null)" != "$FUSE_STAMP" ] \
    || [ ! -e "$PREFIX/lib/libfuse3.so.$FUSE3_VERSION" ] || [ ! -e "$PREFIX/lib/pkgconfig/fuse3.pc" ]; then
-    rm -rf "$WORK/fuse-build"
-    step meson-setup meson setup "$WORK/fuse-build" "$SRCDIR" "${MESON_OPTS[@]}"
+    rm -rf "$WORK/fuse-build" "$WORK/fuse-src"
+    cp -a "$SRCDIR" "$WORK/fuse-src" || die "cannot copy the fuse3 source to $WORK/fuse-src."
+    for p in "${LIBFUSE_PATCHES[@]}"; do
+        step "patch-$(basename "$p" .patch)" patch -d "$WORK/fuse-src" -p1 --forward --input="$p"
+    done
+    step meson-setup meson setup "$WORK/fuse-build" "$WORK/fuse-src" "${MESON_OPTS[@]}"
     step ninja ninja -C "$WORK/fuse-build"
     mkdir -p "$PREFIX" || die "cannot create $PREFIX (run as root or pass --prefix)."
     rm -rf "$PREFIX"/lib/libfuse3.so* "$PREFIX/include/fuse3" "$PREFIX/lib/pkgconfig/fuse3.pc" "$PREFIX/.cachefs-fuse-stamp"
@@ -177,8 +184,9 @@ if [ ! -f "$SDIST" ] || [ "$(sha256sum < "$SDIST" | cut -d' ' -f1)" != "$PYFUSE3
 fi
 
 # ---------------------------------------------------------------- patched pyfuse3 wheel
-# The local version label ties the wheel to the patches: 3.5.0+pt<sha256 of them, 8 hex>.
-PT_VERSION=$PYFUSE3_VERSION+pt$(cat "${PATCHES[@]}" | sha256sum | cut -c1-8)
+# The local version label ties the wheel to the patches (libfuse's too: the wheel uses its
+# headers): 3.5.0+pt<sha256 of them, 8 hex>.
+PT_VERSION=$PYFUSE3_VERSION+pt$(cat "${PATCHES[@]}" "${LIBFUSE_PATCHES[@]}" | sha256sum | cut -c1-8)
 WHEEL=$(ls "$WORK"/wheels/pyfuse3-"${PT_VERSION}"-cp"${PYVER/./}"-*.whl 2>/dev/null | head -n 1)
 if [ $FORCE = 1 ] || [ -z "$WHEEL" ]; then
     rm -rf "$WORK/pyfuse3-src" "$WORK/wheels"; mkdir -p "$WORK/pyfuse3-src" "$WORK/wheels"
