@@ -351,6 +351,8 @@ class Operations(pyfuse3.Operations):
         of = self._open[fh]
         if kill_suidgid:                    # by a caller without CAP_FSETID (KILLPRIV_V2)
             await self._kill_suidgid(of)
+        if not self._ns.caps_absent(of.ino) and await self._ns.kill_caps(of.ino, of.backing_fd):
+            self._cache.own_metadata_change(of.ino, None)   # only BACKING's ctime moved
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)

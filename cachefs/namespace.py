@@ -10,6 +10,7 @@ Engine state (coherence, unlink intents) stays with the callers.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat as stat_mod
 import time
@@ -18,6 +19,8 @@ from . import backing as bk
 from .backing import Backing
 
 CAPS = b"security.capability"
+
+log = logging.getLogger("cachefs.namespace")
 
 
 class Namespace:
@@ -108,6 +111,39 @@ class Namespace:
             self._no_sxid[ino] = time.monotonic() + self._caps_ttl_s
             return None
         return await self.setattr(path, fd, stat_mod.S_IMODE(keep), -1, -1, None, False)
+
+    def caps_absent(self, ino: int) -> bool:
+        """Whether `ino` is known to have no security.capability now (no BACKING call)."""
+        until = self._no_caps.get(ino)
+        return until is not None and until > time.monotonic()
+
+    async def kill_caps(self, ino: int, fd: int) -> bool:
+        """Drop the file's security.capability before a write, as any Linux write does
+        (whoever writes). The kernel asks for it before buffered writes, but not before
+        O_DIRECT ones, and a write-back write reaches BACKING (whose own write drops it)
+        only when destaged. True if one was dropped. Never fails the write: a BACKING that
+        cannot say (failing, hung: the read times out) or refuses is logged, and the
+        destage's write drops it there later; while BACKING is failing, writes do not wait
+        for it here."""
+        if self._backing.health.failing_since_s is not None:
+            self._note_no_caps(ino)
+            return False
+        try:
+            await self._backing.read_call("getxattr", bk.getxattr, self._root, b"", fd, CAPS)
+        except OSError as exc:
+            if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
+                log.debug("inode %d: security.capability not checked before a write: %s",
+                          ino, exc)
+            self._note_no_caps(ino)
+            return False
+        try:
+            await self._backing.write_call(bk.removexattr, self._root, b"", fd, CAPS)
+        except OSError as exc:
+            if exc.errno != errno.ENODATA:
+                log.warning("inode %d: its security.capability could not be dropped before "
+                            "a write: %s", ino, exc)
+        self._note_no_caps(ino)
+        return True
 
     def mode_changed(self, ino: int) -> None:
         """A chmod (or chown) of `ino` through the mount: its setuid/setgid bits may be new."""

@@ -6,8 +6,11 @@ setuid bit and the setgid bit of a group-executable file; root keeps them; chown
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import stat
+import struct
 import subprocess
 
 import pytest
@@ -112,3 +115,32 @@ def test_root_keeps_setuid_and_chown_drops_it(make_mount, mode):
     as_user(m.mnt, "head -c 4096 /dev/zero | dd of=tool bs=4096 oflag=direct conv=notrunc "
                    "status=none")
     assert modes(m, "tool", mode) == (0o777, 0o777)
+
+
+CAPS = "security.capability"
+CAPS_VALUE = struct.pack("<IIIII", 0x02000001, 1 << 10, 0, 0, 0)     # CAP_NET_BIND_SERVICE
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_write_drops_a_capability_at_once(make_mount, mode, direct):
+    """Any write drops the file's capability, O_DIRECT ones too (the kernel asks before
+    buffered writes only) and in write-back before any destage (BACKING's own write would
+    drop it only then): an exec meanwhile must not run new bytes with the old capability."""
+    m = make_mount("--mode", mode, "--max-dirty-age", "600")
+    p = m.path("tool")
+    p.write_bytes(b"c" * 8192)
+    os.setxattr(p, CAPS, CAPS_VALUE)
+    assert os.getxattr(p, CAPS) == CAPS_VALUE
+    fd = os.open(p, os.O_WRONLY | (os.O_DIRECT if direct else 0))
+    try:
+        buf = mmap.mmap(-1, 4096)
+        buf.write(b"n" * 4096)
+        assert os.pwritev(fd, [buf], 4096) == 4096
+    finally:
+        os.close(fd)
+    for where in (p, m.backing / "tool"):           # no flush: BACKING has no new data yet
+        with pytest.raises(OSError) as err:
+            os.getxattr(where, CAPS)
+        assert err.value.errno == errno.ENODATA, where
+    assert p.read_bytes() == b"c" * 4096 + b"n" * 4096
