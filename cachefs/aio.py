@@ -78,10 +78,14 @@ def pwrite_all(fd: int, direct_fd: int, items: list[tuple[bytes | memoryview, in
 
 
 def _pwrite(fd: int, data: bytes | memoryview, off: int) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], off + done)
+    done = os.pwrite(fd, data, off)
+    if done < len(data):                         # short: continue from where it stopped
+        view = memoryview(data)
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], off + done)
+
+
+pwrite_plain = _pwrite          # all of `data` at `off` with pwrite (no AIO twin to use)
 
 
 _local = threading.local()
