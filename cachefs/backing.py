@@ -340,7 +340,17 @@ def chown_new(root: int, path: bytes, uid: int, gid: int, parent: bytes) -> os.s
 
 def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, parent: bytes
            ) -> tuple[int, os.stat_result]:
-    fd = open_at(root, path, flags | os.O_CREAT, mode)
+    try:
+        fd = open_at(root, path, flags | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        if flags & os.O_EXCL:
+            raise
+        # The kernel sends CREATE after looking the name up as absent: someone else made the
+        # file since (another client of BACKING). It is not the caller's to own, nor to open
+        # without the kernel's permission check: ESTALE makes the kernel look the name up
+        # again and open the file as the existing file it is.
+        raise OSError(errno.ESTALE, "created meanwhile by another: look it up again",
+                      path) from None
     try:
         if os.geteuid() == 0:       # chown_new through the descriptor: no path lookups
             if stat(root, parent).st_mode & 0o2000:

@@ -49,3 +49,28 @@ def test_connection_aborted_ends_the_session_quietly(monkeypatch):
         raise OSError(errno.ECONNABORTED, "fuse_session_receive_buf failed")
     monkeypatch.setattr(mount.pyfuse3, "main", aborted)
     trio.run(mount._fuse_main)
+
+
+def test_create_never_takes_over_a_file_someone_else_made_meanwhile(tmp_path):
+    """CREATE comes after the kernel looked the name up as absent. A file made in between
+    (another client of BACKING) must not be chowned to the caller nor opened without the
+    kernel's permission check: ESTALE (the kernel looks the name up again and opens the
+    existing file); with O_EXCL, EEXIST as usual."""
+    root = bk.open_root(str(tmp_path))
+    try:
+        (tmp_path / "theirs").write_bytes(b"secret")
+        os.chmod(tmp_path / "theirs", 0o600)
+        os.chown(tmp_path / "theirs", 0, 0)
+        for flags, want in ((os.O_RDWR, errno.ESTALE), (os.O_RDWR | os.O_EXCL, errno.EEXIST)):
+            with pytest.raises(OSError) as exc:
+                bk.create(root, b"theirs", flags | os.O_CLOEXEC, 0o644, 12345, 12345, b".")
+            assert exc.value.errno == want
+        st = os.stat(tmp_path / "theirs")
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+        assert (tmp_path / "theirs").read_bytes() == b"secret"
+        fd, st = bk.create(root, b"mine", os.O_RDWR | os.O_CLOEXEC, 0o644, 12345, 12345, b".")
+        os.close(fd)
+        if os.geteuid() == 0:
+            assert (st.st_uid, st.st_gid) == (12345, 12345)
+    finally:
+        os.close(root)
