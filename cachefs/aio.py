@@ -74,18 +74,16 @@ def pwrite_all(fd: int, direct_fd: int, items: list[tuple[bytes | memoryview, in
                 raise
             rest.extend(batch[i:i + MAX_INFLIGHT])       # AIO refused: write them plainly
     for data, off in rest:
-        _pwrite(fd, data, off)
+        pwrite_plain(fd, data, off)
 
 
-def _pwrite(fd: int, data: bytes | memoryview, off: int) -> None:
+def pwrite_plain(fd: int, data: bytes | memoryview, off: int) -> None:
+    """All of `data` at `off` with pwrite (short writes continued)."""
     done = os.pwrite(fd, data, off)
     if done < len(data):                         # short: continue from where it stopped
         view = memoryview(data)
         while done < len(view):
             done += os.pwrite(fd, view[done:], off + done)
-
-
-pwrite_plain = _pwrite          # all of `data` at `off` with pwrite (no AIO twin to use)
 
 
 _local = threading.local()
@@ -153,7 +151,7 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
             if res < 0:
                 raise OSError(-res, os.strerror(-res))
             if res < len(data):                          # short: finish it plainly
-                _pwrite(plain_fd, memoryview(data)[res:], off + res)
+                pwrite_plain(plain_fd, memoryview(data)[res:], off + res)
         ok = True
     finally:
         if not ok:

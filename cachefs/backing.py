@@ -332,10 +332,13 @@ def chown_new(root: int, path: bytes, uid: int, gid: int, parent: bytes) -> os.s
     """
     with at(root, path) as (dfd, r):
         if os.geteuid() == 0:
-            if stat(root, parent).st_mode & 0o2000:
-                gid = -1
-            os.chown(r, uid, gid, dir_fd=dfd, follow_symlinks=False)
+            os.chown(r, uid, _new_gid(root, parent, gid), dir_fd=dfd, follow_symlinks=False)
         return os.stat(r, dir_fd=dfd, follow_symlinks=False)
+
+
+def _new_gid(root: int, parent: bytes, gid: int) -> int:
+    """The group to give a new node: -1 (keep BACKING's) inside a set-group-ID directory."""
+    return -1 if stat(root, parent).st_mode & 0o2000 else gid
 
 
 def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, parent: bytes
@@ -353,9 +356,7 @@ def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, pa
                       path) from None
     try:
         if os.geteuid() == 0:       # chown_new through the descriptor: no path lookups
-            if stat(root, parent).st_mode & 0o2000:
-                gid = -1
-            os.fchown(fd, uid, gid)
+            os.fchown(fd, uid, _new_gid(root, parent, gid))
         return fd, os.fstat(fd)
     except BaseException:
         os.close(fd)

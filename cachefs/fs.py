@@ -319,10 +319,7 @@ class Operations(pyfuse3.Operations):
                                                                            name, st))
         self._fds.add(of)
         if getattr(ctx, "kill_suidgid", False):     # it existed, O_TRUNC, no CAP_FSETID
-            killed = await self._ns.kill_suidgid(of.ino, b"", of.backing_fd)
-            if killed is not None:
-                self._cache.own_metadata_change(of.ino, killed)
-                st = killed
+            st = await self._kill_suidgid(of) or st
         if st.st_size == 0:
             self._ns.created(of.ino)            # new (or emptied): no security.capability
         return _file_info(self._modes.answer(of, True)), self._attr(st, of.ino)
@@ -359,11 +356,13 @@ class Operations(pyfuse3.Operations):
         self._attrs.written(of.ino)
         return n
 
-    async def _kill_suidgid(self, of) -> None:
-        """Drop the setuid/setgid bits of an open file where Linux would (Namespace)."""
+    async def _kill_suidgid(self, of) -> os.stat_result | None:
+        """Drop the setuid/setgid bits of an open file where Linux would (Namespace);
+        BACKING's new stat if it had some."""
         st = await self._ns.kill_suidgid(of.ino, b"", of.backing_fd)
         if st is not None:
             self._cache.own_metadata_change(of.ino, st)
+        return st
 
     async def flush(self, fh):
         # Nothing to do at a close(2): ENOSYS makes the kernel stop sending FLUSH at all, one

@@ -23,6 +23,29 @@ CAPS = b"security.capability"
 log = logging.getLogger("cachefs.namespace")
 
 
+class Known:
+    """Inodes known to lack something (a capability, setuid bits) for a while: `ttl_s` after
+    the last look, as the kernel trusts attributes for --attr-timeout. Bounded: expired
+    entries go when it holds 4,096."""
+
+    def __init__(self, ttl_s: float):
+        self._until: dict[int, float] = {}
+        self._ttl_s = ttl_s
+
+    def __contains__(self, ino: int) -> bool:
+        until = self._until.get(ino)
+        return until is not None and until > time.monotonic()
+
+    def add(self, ino: int) -> None:
+        now = time.monotonic()
+        if len(self._until) >= 4096:
+            self._until = {i: t for i, t in self._until.items() if t > now}
+        self._until[ino] = now + self._ttl_s
+
+    def discard(self, ino: int) -> None:
+        self._until.pop(ino, None)
+
+
 class Namespace:
     def __init__(self, backing: Backing, attr_timeout_s: float = 1.0):
         self._backing = backing
@@ -31,13 +54,12 @@ class Namespace:
         # it): inode -> until when BACKING is known to have none (a file created here, or
         # asked within --attr-timeout), so those asks do not each cost a BACKING call. An
         # outside setcap on BACKING is seen within --attr-timeout, as attributes are.
-        self._no_caps: dict[int, float] = {}
-        self._caps_ttl_s = attr_timeout_s
+        self._no_caps = Known(attr_timeout_s)
         # FUSE_HANDLE_KILLPRIV_V2: every write by a caller without CAP_FSETID asks us to drop
         # the file's setuid/setgid bits: inode -> until when its mode is known to have none
         # (set on a look, dropped by a chmod through the mount; an outside chmod on BACKING
         # is seen within --attr-timeout, as attributes are).
-        self._no_sxid: dict[int, float] = {}
+        self._no_sxid = Known(attr_timeout_s)
 
     async def lstat(self, path: bytes) -> os.stat_result:
         return await self._backing.lstat(path)
@@ -96,8 +118,7 @@ class Namespace:
         for a write, truncate or O_TRUNC open by a caller without CAP_FSETID (the kernel
         leaves it to the file system with FUSE_HANDLE_KILLPRIV_V2 and says when). Returns
         BACKING's new stat, or None when there was nothing to drop."""
-        until = self._no_sxid.get(ino)
-        if until is not None and until > time.monotonic():
+        if ino in self._no_sxid:
             return None
         st = await (self.fstat(fd) if fd is not None else self.lstat(path))
         mode = st.st_mode
@@ -105,17 +126,13 @@ class Namespace:
         if mode & (stat_mod.S_ISGID | stat_mod.S_IXGRP) == stat_mod.S_ISGID | stat_mod.S_IXGRP:
             keep &= ~stat_mod.S_ISGID
         if keep == mode or not stat_mod.S_ISREG(mode):
-            if len(self._no_sxid) >= 4096:
-                now = time.monotonic()
-                self._no_sxid = {i: t for i, t in self._no_sxid.items() if t > now}
-            self._no_sxid[ino] = time.monotonic() + self._caps_ttl_s
+            self._no_sxid.add(ino)
             return None
         return await self.setattr(path, fd, stat_mod.S_IMODE(keep), -1, -1, None, False)
 
     def caps_absent(self, ino: int) -> bool:
         """Whether `ino` is known to have no security.capability now (no BACKING call)."""
-        until = self._no_caps.get(ino)
-        return until is not None and until > time.monotonic()
+        return ino in self._no_caps
 
     async def kill_caps(self, ino: int, fd: int) -> bool:
         """Drop the file's security.capability before a write, as any Linux write does
@@ -126,7 +143,7 @@ class Namespace:
         destage's write drops it there later; while BACKING is failing, writes do not wait
         for it here."""
         if self._backing.health.failing_since_s is not None:
-            self._note_no_caps(ino)
+            self._no_caps.add(ino)
             return False
         try:
             await self._backing.read_call("getxattr", bk.getxattr, self._root, b"", fd, CAPS)
@@ -134,7 +151,7 @@ class Namespace:
             if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
                 log.debug("inode %d: security.capability not checked before a write: %s",
                           ino, exc)
-            self._note_no_caps(ino)
+            self._no_caps.add(ino)
             return False
         try:
             await self._backing.write_call(bk.removexattr, self._root, b"", fd, CAPS)
@@ -142,40 +159,33 @@ class Namespace:
             if exc.errno != errno.ENODATA:
                 log.warning("inode %d: its security.capability could not be dropped before "
                             "a write: %s", ino, exc)
-        self._note_no_caps(ino)
+        self._no_caps.add(ino)
         return True
 
     def mode_changed(self, ino: int) -> None:
         """A chmod (or chown) of `ino` through the mount: its setuid/setgid bits may be new."""
-        self._no_sxid.pop(ino, None)
+        self._no_sxid.discard(ino)
 
     def created(self, ino: int) -> None:
         """A file was just created through the mount: it has no security.capability."""
-        self._note_no_caps(ino)
-
-    def _note_no_caps(self, ino: int) -> None:
-        if len(self._no_caps) >= 4096:
-            now = time.monotonic()
-            self._no_caps = {i: t for i, t in self._no_caps.items() if t > now}
-        self._no_caps[ino] = time.monotonic() + self._caps_ttl_s
+        self._no_caps.add(ino)
 
     async def getxattr(self, path: bytes | None, fd: int | None, name: bytes,
                        ino: int = 0) -> bytes:
         if name == CAPS and ino:
-            until = self._no_caps.get(ino)
-            if until is not None and until > time.monotonic():
+            if ino in self._no_caps:
                 raise OSError(errno.ENODATA, os.strerror(errno.ENODATA))
         try:
             return await self._backing.read_call("getxattr", bk.getxattr, self._root, path,
                                                  fd, name)
         except OSError as exc:
             if exc.errno == errno.ENODATA and name == CAPS and ino:
-                self._note_no_caps(ino)
+                self._no_caps.add(ino)
             raise
 
     def xattrs_changed(self, ino: int) -> None:
         """An xattr of `ino` was set or removed through the mount."""
-        self._no_caps.pop(ino, None)
+        self._no_caps.discard(ino)
 
     async def listxattr(self, path: bytes | None, fd: int | None) -> list[str]:
         return await self._backing.read_call("listxattr", bk.listxattr, self._root, path, fd)

@@ -386,10 +386,10 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
     # One page-aligned buffer for the pass: each run is read straight into its own aligned
     # slice (the read runs without the GIL and faults the pages in itself), and AIO writes
     # from those slices as they are (no copy, no buffer per write).
-    spans = []
+    placed = []
     total = 0
     for off, size in runs:
-        spans.append((off, size, total))
+        placed.append((off, size, total))
         total += (size + aio.ALIGN - 1) & ~(aio.ALIGN - 1)
     buf = mmap.mmap(-1, max(total, aio.ALIGN))
     view = memoryview(buf)
@@ -397,7 +397,7 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
     damaged = []
     cfd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for off, size, at in spans:
+        for off, size, at in placed:
             _read_into(cfd, view[at:at + size], off)  # past the cache file's end: zeros
             for o in range(0, size, CHUNK):
                 items += _checked(view[at + o:at + min(size, o + CHUNK)], off + o, sums,
