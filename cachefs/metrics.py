@@ -97,6 +97,8 @@ GAUGES = (
     ("throttling", "throttling", "1 while flow control slows writers."),
     ("uptime_seconds", "uptime_s", "Seconds since the mount."),
     ("passthrough_enabled", "passthrough_on", "1 while FUSE passthrough is on."),
+    ("killpriv_v2_enabled", "killpriv_v2_on", "1 while FUSE_HANDLE_KILLPRIV_V2 is on (no "
+     "security.capability request before each write)."),
     ("passthrough_open_handles", "passthrough_open_handles", "Open handles in passthrough."),
     ("passthrough_held_files", "passthrough_held_files", "Files the kernel may read by "
      "itself (passthrough opens, mappings)."),

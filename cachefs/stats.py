@@ -94,6 +94,7 @@ class Stats:
         out["drops"] = {r: getattr(self, "drop_" + r) for r in DROP_REASONS}
         out["uptime_s"] = round(time.monotonic() - self.started_s, 1)
         out["killpriv_v2"] = "on" if self.killpriv_v2 else "off"
+        out["killpriv_v2_on"] = self.killpriv_v2
         out["latency"] = {tier: h.snapshot() for tier, h in self.latency.items()}
         return out
 

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import ctl_flush
+from tests.conftest import CTL, ctl_flush
 
 pytestmark = pytest.mark.fuse
 
@@ -49,6 +49,13 @@ def modes(m, name: str, mode: str) -> tuple[int, int]:
 def test_buffered_writes_send_no_capability_requests(make_mount):
     m = make_mount("--debug")
     assert m.stats()["killpriv_v2"] == "on"
+    text = subprocess.run([*CTL, "stats", str(m.mnt)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "killpriv v2          on" in text, text
+    metrics = subprocess.run([*CTL, "metrics", str(m.mnt)], capture_output=True, text=True,
+                             check=True).stdout
+    assert any(ln.startswith("cachefs_killpriv_v2_enabled{") and ln.endswith(" 1.0")
+               for ln in metrics.splitlines()), metrics
     with open(m.path("f"), "wb") as f:              # 200 write(2) calls
         for _ in range(200):
             f.write(b"x" * 4096)
