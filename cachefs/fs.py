@@ -93,7 +93,9 @@ class Operations(pyfuse3.Operations):
         else:
             log.info("FUSE_HANDLE_KILLPRIV_V2: off (%s): the kernel asks for "
                      "security.capability before each write",
-                     "not offered by the kernel" if hasattr(pyfuse3, "killpriv_v2_enabled")
+                     "not granted: it needs libfuse with deps/passthrough/libfuse-kill-"
+                     "suidgid.patch and a kernel that offers it"
+                     if hasattr(pyfuse3, "killpriv_v2_enabled")
                      else "pyfuse3 without deps/passthrough/pyfuse3-kill-suidgid.patch")
 
     # -- helpers -------------------------------------------------------------------------
