@@ -58,3 +58,45 @@ def test_a_cancelled_loop_of_inline_calls_ends(tmp_path):
     t0 = time.monotonic()
     assert trio.run(main)
     assert time.monotonic() - t0 < 2
+
+
+def test_reads_of_cached_backing_bytes_run_inline_others_in_a_thread(tmp_path):
+    """A small read of bytes in BACKING's page cache is served on the loop (preadv2
+    RWF_NOWAIT: never a wait for the disk); bytes not cached, and reads on a BACKING that is
+    not inline, go to a worker thread. Either way the bytes are BACKING's."""
+    path = tmp_path / "f"
+    data = os.urandom(4 << 20)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    threads = []
+
+    async def read(b: bk.Backing, size: int, off: int) -> bytes:
+        real = trio.to_thread.run_sync
+
+        async def counting(fn, *args, **kw):
+            threads.append(fn)
+            return await real(fn, *args, **kw)
+        trio.to_thread.run_sync = counting
+        try:
+            return await b.pread(fd, size, off)
+        finally:
+            trio.to_thread.run_sync = real
+
+    try:
+        assert bk.pread_cached(fd, 131072, 0) == data[:131072]
+        assert bk.pread_cached(fd, 131072, len(data) - 1000) == data[-1000:]   # to the end
+        assert bk.pread_cached(fd, 100, len(data) + 10) == b""                # past the end
+        inline = bk.Backing(threads=2, timeout_s=5, inline=True)
+        assert trio.run(read, inline, 4096, 8192) == data[8192:12288]
+        assert trio.run(read, inline, 65536, len(data) - 65536) == data[-65536:]
+        assert threads == []                                  # cached: on the loop
+        assert trio.run(read, bk.Backing(threads=2, timeout_s=5), 4096, 0) == data[:4096]
+        assert len(threads) == 1                              # not inline: always a thread
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if bk.pread_cached(fd, 4096, 0) is None:    # the pages went: a thread reads them
+            threads.clear()
+            assert trio.run(read, inline, 4096, 3 << 20) == data[3 << 20:(3 << 20) + 4096]
+            assert len(threads) == 1
+    finally:
+        os.close(fd)
