@@ -14,7 +14,7 @@ import os
 from typing import Awaitable, Callable, TypeVar
 
 from . import aio
-from . import backing as bk
+from . import backingpaths as bp
 from .backing import Backing
 from .coherence import Coherence
 from .config import Config
@@ -214,7 +214,7 @@ class Cache:
         if self.write_back and not readable:
             try:                # as in open(): fills of sub-block writes read through it
                 opened = await self.backing.write_call(
-                    bk.create, self.backing.root_fd, path,
+                    bp.create, self.backing.root_fd, path,
                     (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid, parent)
                 readable = True
             except PermissionError:
@@ -344,13 +344,13 @@ class Cache:
 
 def _create_twin(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int,
                  parent: bytes, want_direct: bool) -> tuple[int, os.stat_result, int]:
-    fd, st = bk.create(root, path, flags, mode, uid, gid, parent)
+    fd, st = bp.create(root, path, flags, mode, uid, gid, parent)
     return fd, st, aio.open_direct(fd) if want_direct else -1
 
 
 def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool
                 ) -> tuple[int, os.stat_result, int]:
-    fd = bk.open_at(root, path, flags)
+    fd = bp.open_at(root, path, flags)
     try:
         return fd, os.fstat(fd), aio.open_direct(fd) if want_direct else -1
     except BaseException:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from . import backing as bk
+from . import backingpaths as bp
 from .cachefiles import pwrite_all
 from .extentmap import spans
 from .extents import EXT_SHIFT, CachedFile, covered_mask
@@ -153,7 +153,7 @@ def _copy_back(cache_path: str, root: int, path: bytes, size: int) -> os.stat_re
         return None
     try:
         try:
-            bfd = bk.open_at(root, path, os.O_WRONLY | os.O_CLOEXEC)
+            bfd = bp.open_at(root, path, os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:

@@ -4,7 +4,7 @@ FUSE inode numbers are BACKING's st_ino (BACKING's root is ROOT_INODE), so hard 
 inode and cached data, and numbers are stable across remounts. Each inode remembers the
 directory entries (parent inode, name) it is known under; a path is rebuilt by walking up to
 the root, so renaming a directory needs no update of its descendants. Paths are relative to
-BACKING's root (b"." is the root), to be used with its descriptor (`backing.at`).
+BACKING's root (b"." is the root), to be used with its descriptor (`backingpaths.at`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import backing as bk
+from . import backingpaths as bp
 from .backing import Backing
 from .cache import Cache
 from .config import EXT_SIZE
@@ -65,7 +65,7 @@ class Job:
 
 
 def _open_fstat(root: int, path: bytes) -> tuple[int, os.stat_result]:
-    fd = bk.open_at(root, path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = bp.open_at(root, path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         return fd, os.fstat(fd)
     except BaseException:

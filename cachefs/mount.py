@@ -24,7 +24,8 @@ import trio
 
 from . import integrity, oplog
 from . import mounttable
-from .backing import LOCAL_FS_TYPES, Backing, fs_type, open_root
+from .backing import LOCAL_FS_TYPES, Backing, fs_type
+from .backingpaths import open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer, socket_path

@@ -15,7 +15,7 @@ import os
 import stat as stat_mod
 import time
 
-from . import backing as bk
+from . import backingpaths as bp
 from .backing import Backing
 
 CAPS = b"security.capability"
@@ -69,48 +69,48 @@ class Namespace:
 
     async def setattr(self, path: bytes, fd: int | None, mode: int | None, uid: int,
                       gid: int, times: tuple | None, touch: bool) -> os.stat_result:
-        return await self._backing.write_call(bk.setattr, self._root, path, fd, mode, uid,
+        return await self._backing.write_call(bp.setattr, self._root, path, fd, mode, uid,
                                               gid, times, touch)
 
     async def readlink(self, path: bytes) -> bytes:
-        return await self._backing.read_call("readlink", bk.readlink, self._root, path)
+        return await self._backing.read_call("readlink", bp.readlink, self._root, path)
 
     async def mknod(self, path: bytes, mode: int, rdev: int, uid: int, gid: int,
                     parent: bytes) -> os.stat_result:
-        return await self._backing.write_call(bk.mknod, self._root, path, mode, rdev, uid,
+        return await self._backing.write_call(bp.mknod, self._root, path, mode, rdev, uid,
                                               gid, parent)
 
     async def mkdir(self, path: bytes, mode: int, uid: int, gid: int, parent: bytes
                     ) -> os.stat_result:
-        return await self._backing.write_call(bk.mkdir, self._root, path, mode, uid, gid,
+        return await self._backing.write_call(bp.mkdir, self._root, path, mode, uid, gid,
                                               parent)
 
     async def symlink(self, target: bytes, path: bytes, uid: int, gid: int, parent: bytes
                       ) -> os.stat_result:
-        return await self._backing.write_call(bk.symlink, self._root, target, path, uid,
+        return await self._backing.write_call(bp.symlink, self._root, target, path, uid,
                                               gid, parent)
 
     async def unlink(self, path: bytes) -> os.stat_result:
-        return await self._backing.write_call(bk.unlink, self._root, path)
+        return await self._backing.write_call(bp.unlink, self._root, path)
 
     async def rmdir(self, path: bytes) -> None:
-        await self._backing.write_call(bk.rmdir, self._root, path)
+        await self._backing.write_call(bp.rmdir, self._root, path)
 
     async def rename(self, old: bytes, new: bytes, flags: int):
         """(the stat of what `new` named before, or None; the stat of the moved node)"""
-        return await self._backing.write_call(bk.rename, self._root, old, new, flags)
+        return await self._backing.write_call(bp.rename, self._root, old, new, flags)
 
     async def link(self, old: bytes, new: bytes) -> os.stat_result:
-        return await self._backing.write_call(bk.link, self._root, old, new)
+        return await self._backing.write_call(bp.link, self._root, old, new)
 
     async def scandir(self, path: bytes) -> list:
-        return await self._backing.read_call("readdir", bk.scandir, self._root, path)
+        return await self._backing.read_call("readdir", bp.scandir, self._root, path)
 
     async def fsync_path(self, path: bytes, datasync: bool) -> None:
-        await self._backing.write_call(bk.fsync_path, self._root, path, datasync)
+        await self._backing.write_call(bp.fsync_path, self._root, path, datasync)
 
     async def statvfs(self) -> os.statvfs_result:
-        return await self._backing.read_call("statfs", bk.statvfs, self._root)
+        return await self._backing.read_call("statfs", bp.statvfs, self._root)
 
     async def kill_suidgid(self, ino: int, path: bytes, fd: int | None
                            ) -> os.stat_result | None:
@@ -146,7 +146,7 @@ class Namespace:
             self._no_caps.add(ino)
             return False
         try:
-            await self._backing.read_call("getxattr", bk.getxattr, self._root, b"", fd, CAPS)
+            await self._backing.read_call("getxattr", bp.getxattr, self._root, b"", fd, CAPS)
         except OSError as exc:
             if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
                 log.debug("inode %d: security.capability not checked before a write: %s",
@@ -154,7 +154,7 @@ class Namespace:
             self._no_caps.add(ino)
             return False
         try:
-            await self._backing.write_call(bk.removexattr, self._root, b"", fd, CAPS)
+            await self._backing.write_call(bp.removexattr, self._root, b"", fd, CAPS)
         except OSError as exc:
             if exc.errno != errno.ENODATA:
                 log.warning("inode %d: its security.capability could not be dropped before "
@@ -176,7 +176,7 @@ class Namespace:
             if ino in self._no_caps:
                 raise OSError(errno.ENODATA, os.strerror(errno.ENODATA))
         try:
-            return await self._backing.read_call("getxattr", bk.getxattr, self._root, path,
+            return await self._backing.read_call("getxattr", bp.getxattr, self._root, path,
                                                  fd, name)
         except OSError as exc:
             if exc.errno == errno.ENODATA and name == CAPS and ino:
@@ -188,14 +188,14 @@ class Namespace:
         self._no_caps.discard(ino)
 
     async def listxattr(self, path: bytes | None, fd: int | None) -> list[str]:
-        return await self._backing.read_call("listxattr", bk.listxattr, self._root, path, fd)
+        return await self._backing.read_call("listxattr", bp.listxattr, self._root, path, fd)
 
     async def setxattr(self, path: bytes | None, fd: int | None, name: bytes, value: bytes
                        ) -> None:
-        await self._backing.write_call(bk.setxattr, self._root, path, fd, name, value)
+        await self._backing.write_call(bp.setxattr, self._root, path, fd, name, value)
 
     async def removexattr(self, path: bytes | None, fd: int | None, name: bytes) -> None:
-        await self._backing.write_call(bk.removexattr, self._root, path, fd, name)
+        await self._backing.write_call(bp.removexattr, self._root, path, fd, name)
 
     async def close_all(self, fds: list[int]) -> list[OSError]:
         """Close released descriptors in one thread call; returns the errors that are not

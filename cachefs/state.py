@@ -17,7 +17,7 @@ import time
 
 import trio
 
-from . import backing as bk
+from . import backingpaths as bp
 from .backing import Backing
 from .cachefiles import CacheFiles, pwrite_all
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
@@ -133,7 +133,7 @@ class CacheState:
         """After a crash during an unlink: does BACKING still have this very file (same
         inode at its path, with the identity recorded right before the unlink)?"""
         try:
-            st = bk.lstat(self.backing.root_fd, cf.path) if cf.path else None
+            st = bp.lstat(self.backing.root_fd, cf.path) if cf.path else None
         except OSError:
             return False
         return st is not None and identity(st) == cf.identity

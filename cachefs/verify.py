@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import backing as bk
+from . import backingpaths as bp
 from .config import BLK_SIZE, EXT_SIZE
 from .errors import CommandFailed
 from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, runs
@@ -60,7 +60,7 @@ def _extents_of(fd: int, exts: list[int]) -> dict[int, bytes]:
 def _read_backing(root: int, path: bytes, ino: int, exts: list[int]) -> dict[int, bytes]:
     """The same extents of BACKING's file `ino` at `path` (thread); {} if it is not there."""
     try:
-        fd = bk.open_at(root, path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = bp.open_at(root, path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return {}

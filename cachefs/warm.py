@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import backing as bk
+from . import backingpaths as bp
 from .backing import Backing
 from .cache import Cache
 from .config import EXT_SIZE, Config, format_size
@@ -170,7 +170,7 @@ class Warm:
         return self.cfg.mountpoint if name == "." else os.path.join(self.cfg.mountpoint, name)
 
     def _rel_of(self, path: bytes) -> bytes | None:
-        """BACKING paths are relative to its root already (backing.at)."""
+        """BACKING paths are relative to its root already (backingpaths.at)."""
         return path or b"."
 
     def _backing_path(self, rel: str) -> tuple[bytes, bytes]:
@@ -204,7 +204,7 @@ class Warm:
         while todo:
             rel, path = todo.pop()
             try:
-                entries = await self.backing.read_call("readdir", bk.scandir,
+                entries = await self.backing.read_call("readdir", bp.scandir,
                                                        self.backing.root_fd, path)
             except OSError as exc:
                 raise CommandFailed(f"cannot list {self._show(rel)} in BACKING: "

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from . import aio
-from . import backing as bk
+from . import backingpaths as bp
 from .backing import Backing
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .statx import fresh_fstat
@@ -465,7 +465,7 @@ def _open_by_ino(root: int, root_paths: tuple[bytes, ...], hint: bytes | None, i
         hint = next((hint[len(p):] for p in prefixes if hint.startswith(p)), None)
     if hint:
         try:
-            fd = bk.open_at(root, hint, os.O_WRONLY | os.O_CLOEXEC)
+            fd = bp.open_at(root, hint, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
                 raise

@@ -16,7 +16,7 @@ import os
 
 import trio
 
-from . import backing as bk
+from . import backingpaths as bp
 from .cachefiles import pwrite_all
 from .coherence import Coherence
 from .config import BLK_SIZE, EXT_SIZE
@@ -384,7 +384,7 @@ class WritePath(HeldWrites):
         """Change a file's size in BACKING, dropping cached blocks past the new end."""
         cf = self.files.get(ino)
         if cf is None:
-            return await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+            return await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
                                                  fd, size)
         if cf.times is not None:
             self._s.set_times(cf, None)         # the truncate sets BACKING's times itself
@@ -441,7 +441,7 @@ class WritePath(HeldWrites):
                 cf.shrinking = None
         cf.writes_inflight += 1
         try:
-            st = await self.backing.write_call(bk.truncate_stat, self.backing.root_fd, path,
+            st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
                                                fd, size)
         finally:
             cf.writes_inflight -= 1

@@ -7,36 +7,36 @@ import os
 import pytest
 import trio
 
-from cachefs import backing as bk
+from cachefs import backingpaths as bp
 from cachefs import mount
 
 NAME = b"n" * 250
 
 
 def test_paths_longer_than_path_max_are_walked_in_pieces(tmp_path):
-    root = bk.open_root(str(tmp_path))
+    root = bp.open_root(str(tmp_path))
     try:
         rel = b"."
         parts = []
         for _ in range(25):                        # 6.3 KB below the root
             parts.append(NAME)
-            bk.mkdir(root, b"/".join(parts), 0o755, -1, -1, b"/".join(parts[:-1]) or b".")
+            bp.mkdir(root, b"/".join(parts), 0o755, -1, -1, b"/".join(parts[:-1]) or b".")
         rel = b"/".join(parts)
-        assert len(rel) > bk.PATH_MAX
-        fd, st = bk.create(root, rel + b"/f", os.O_RDWR | os.O_CLOEXEC, 0o644, -1, -1, rel)
+        assert len(rel) > bp.PATH_MAX
+        fd, st = bp.create(root, rel + b"/f", os.O_RDWR | os.O_CLOEXEC, 0o644, -1, -1, rel)
         os.write(fd, b"hello")
         os.close(fd)
-        assert bk.lstat(root, rel + b"/f").st_size == 5
-        bk.setxattr(root, rel + b"/f", None, b"user.k", b"v")
-        assert bk.getxattr(root, rel + b"/f", None, b"user.k") == b"v"
-        assert bk.listxattr(root, rel + b"/f", None) == ["user.k"]
-        bk.rename(root, rel + b"/f", rel + b"/g", 0)
-        assert [n for n, _ in bk.scandir(root, rel)] == [b"g"]
-        assert bk.truncate_stat(root, rel + b"/g", None, 2).st_size == 2
+        assert bp.lstat(root, rel + b"/f").st_size == 5
+        bp.setxattr(root, rel + b"/f", None, b"user.k", b"v")
+        assert bp.getxattr(root, rel + b"/f", None, b"user.k") == b"v"
+        assert bp.listxattr(root, rel + b"/f", None) == ["user.k"]
+        bp.rename(root, rel + b"/f", rel + b"/g", 0)
+        assert [n for n, _ in bp.scandir(root, rel)] == [b"g"]
+        assert bp.truncate_stat(root, rel + b"/g", None, 2).st_size == 2
         with pytest.raises(OSError) as exc:
-            bk.getxattr(root, rel + b"/g", None, b"user.absent")
+            bp.getxattr(root, rel + b"/g", None, b"user.absent")
         assert exc.value.errno == errno.ENODATA
-        bk.unlink(root, rel + b"/g")
+        bp.unlink(root, rel + b"/g")
     finally:
         os.close(root)
 
@@ -56,19 +56,19 @@ def test_create_never_takes_over_a_file_someone_else_made_meanwhile(tmp_path):
     (another client of BACKING) must not be chowned to the caller nor opened without the
     kernel's permission check: ESTALE (the kernel looks the name up again and opens the
     existing file); with O_EXCL, EEXIST as usual."""
-    root = bk.open_root(str(tmp_path))
+    root = bp.open_root(str(tmp_path))
     try:
         (tmp_path / "theirs").write_bytes(b"secret")
         os.chmod(tmp_path / "theirs", 0o600)
         os.chown(tmp_path / "theirs", 0, 0)
         for flags, want in ((os.O_RDWR, errno.ESTALE), (os.O_RDWR | os.O_EXCL, errno.EEXIST)):
             with pytest.raises(OSError) as exc:
-                bk.create(root, b"theirs", flags | os.O_CLOEXEC, 0o644, 12345, 12345, b".")
+                bp.create(root, b"theirs", flags | os.O_CLOEXEC, 0o644, 12345, 12345, b".")
             assert exc.value.errno == want
         st = os.stat(tmp_path / "theirs")
         assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
         assert (tmp_path / "theirs").read_bytes() == b"secret"
-        fd, st = bk.create(root, b"mine", os.O_RDWR | os.O_CLOEXEC, 0o644, 12345, 12345, b".")
+        fd, st = bp.create(root, b"mine", os.O_RDWR | os.O_CLOEXEC, 0o644, 12345, 12345, b".")
         os.close(fd)
         if os.geteuid() == 0:
             assert (st.st_uid, st.st_gid) == (12345, 12345)

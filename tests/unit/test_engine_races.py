@@ -14,7 +14,8 @@ import pytest
 import trio
 import trio.testing
 
-from cachefs.backing import Backing, open_root
+from cachefs.backing import Backing
+from cachefs.backingpaths import open_root
 from cachefs.cache import Cache
 from cachefs.config import Config
 from cachefs.stats import Stats

@@ -1,0 +1,317 @@
+"""BACKING's tree: the system calls on BACKING's nodes by path, each synchronous.
+
+Paths are relative to a descriptor of BACKING's root (`open_root`), reached with the *at
+calls (`at` walks paths longer than PATH_MAX in pieces); xattrs go through /proc/self/fd
+(Linux has no *at form of them). These functions never touch extents, the store or stats:
+callers run them through `Backing` (backing.py), in its threads or, on a local BACKING,
+inline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+from typing import Iterator
+
+from .libc import libc
+from .statx import fresh_fstat
+
+
+# -- paths: relative to a descriptor of BACKING's root ----------------------------------------
+#
+# cachefs names BACKING files by their path relative to BACKING's root (`InodeTable.path`)
+# and reaches them through a descriptor of that root opened once at mount (`*at` calls), so
+# a path fits BACKING whenever it fits the mount, however long BACKING's own path is. A
+# relative path of PATH_MAX or more (a tree nested deeper than PATH_MAX allows in one path,
+# built with relative names as programs may) is walked in pieces (`at`).
+
+PATH_MAX = 4096                 # bytes, the terminating NUL included (Linux)
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def open_root(path: str) -> int:
+    """The descriptor of BACKING's root that every BACKING path is relative to (O_PATH: it
+    keeps nothing open for I/O and needs no read permission)."""
+    return os.open(path, _DIR_FLAGS)
+
+
+@contextlib.contextmanager
+def at(root: int, rel: bytes) -> Iterator[tuple[int, bytes]]:
+    """A directory fd and a path relative to it, for the BACKING path `rel` (relative to
+    `root`), usable by the *at calls: `root` and `rel` when `rel` fits PATH_MAX, else the
+    leading directories are opened a piece at a time (the fd is closed at the end)."""
+    if len(rel) < PATH_MAX:
+        yield root, rel
+        return
+    dfd = root
+    owned = -1
+    try:
+        while len(rel) >= PATH_MAX:
+            cut = rel.rfind(b"/", 0, PATH_MAX - 1)
+            if cut <= 0:
+                raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+            nfd = os.open(rel[:cut], _DIR_FLAGS, dir_fd=dfd)
+            if owned >= 0:
+                os.close(owned)
+            dfd = owned = nfd
+            rel = rel[cut + 1:]
+        yield dfd, rel
+    finally:
+        if owned >= 0:
+            os.close(owned)
+
+
+def open_at(root: int, rel: bytes, flags: int, mode: int = 0o777) -> int:
+    with at(root, rel) as (dfd, r):
+        return os.open(r, flags, mode, dir_fd=dfd)
+
+
+def lstat(root: int, rel: bytes) -> os.stat_result:
+    with at(root, rel) as (dfd, r):
+        return os.stat(r, dir_fd=dfd, follow_symlinks=False)
+
+
+def stat(root: int, rel: bytes) -> os.stat_result:
+    with at(root, rel) as (dfd, r):
+        return os.stat(r, dir_fd=dfd)
+
+
+def readlink(root: int, rel: bytes) -> bytes:
+    with at(root, rel) as (dfd, r):
+        return os.readlink(r, dir_fd=dfd)
+
+
+def statvfs(root: int) -> os.statvfs_result:
+    return os.statvfs(root)
+
+
+
+# -- namespace operations, each one thread call ---------------------------------------------
+
+def chown_new(root: int, path: bytes, uid: int, gid: int, parent: bytes) -> os.stat_result:
+    """Give a new node to the caller, as BACKING would if the caller had made it.
+
+    Inside a set-group-ID directory the group is inherited (BACKING already set it).
+    """
+    with at(root, path) as (dfd, r):
+        if os.geteuid() == 0:
+            os.chown(r, uid, _new_gid(root, parent, gid), dir_fd=dfd, follow_symlinks=False)
+        return os.stat(r, dir_fd=dfd, follow_symlinks=False)
+
+
+def _new_gid(root: int, parent: bytes, gid: int) -> int:
+    """The group to give a new node: -1 (keep BACKING's) inside a set-group-ID directory."""
+    return -1 if stat(root, parent).st_mode & 0o2000 else gid
+
+
+def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, parent: bytes
+           ) -> tuple[int, os.stat_result]:
+    try:
+        fd = open_at(root, path, flags | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        if flags & os.O_EXCL:
+            raise
+        # The kernel sends CREATE after looking the name up as absent: someone else made the
+        # file since (another client of BACKING). It is not the caller's to own, nor to open
+        # without the kernel's permission check: ESTALE makes the kernel look the name up
+        # again and open the file as the existing file it is.
+        raise OSError(errno.ESTALE, "created meanwhile by another: look it up again",
+                      path) from None
+    try:
+        if os.geteuid() == 0:       # chown_new through the descriptor: no path lookups
+            os.fchown(fd, uid, _new_gid(root, parent, gid))
+        return fd, os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def mknod(root: int, path: bytes, mode: int, rdev: int, uid: int, gid: int, parent: bytes
+          ) -> os.stat_result:
+    with at(root, path) as (dfd, r):
+        os.mknod(r, mode, rdev, dir_fd=dfd)
+    return chown_new(root, path, uid, gid, parent)
+
+
+def mkdir(root: int, path: bytes, mode: int, uid: int, gid: int, parent: bytes
+          ) -> os.stat_result:
+    with at(root, path) as (dfd, r):
+        os.mkdir(r, mode, dir_fd=dfd)
+    return chown_new(root, path, uid, gid, parent)
+
+
+def symlink(root: int, target: bytes, path: bytes, uid: int, gid: int, parent: bytes
+            ) -> os.stat_result:
+    with at(root, path) as (dfd, r):
+        os.symlink(target, r, dir_fd=dfd)
+    return chown_new(root, path, uid, gid, parent)
+
+
+def unlink(root: int, path: bytes) -> os.stat_result:
+    with at(root, path) as (dfd, r):
+        st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
+        os.unlink(r, dir_fd=dfd)
+        return st
+
+
+def rmdir(root: int, path: bytes) -> None:
+    with at(root, path) as (dfd, r):
+        os.rmdir(r, dir_fd=dfd)
+
+
+def link(root: int, old: bytes, new: bytes) -> os.stat_result:
+    with at(root, old) as (ofd, o), at(root, new) as (nfd, n):
+        os.link(o, n, src_dir_fd=ofd, dst_dir_fd=nfd, follow_symlinks=False)
+        return os.stat(n, dir_fd=nfd, follow_symlinks=False)
+
+
+
+
+def rename(root: int, old: bytes, new: bytes, flags: int
+           ) -> tuple[os.stat_result | None, os.stat_result]:
+    """Rename with renameat2 flags; returns (the replaced target's stat or None, new stat)."""
+    with at(root, old) as (ofd, o), at(root, new) as (nfd, n):
+        try:
+            target = os.stat(n, dir_fd=nfd, follow_symlinks=False)
+        except FileNotFoundError:
+            target = None
+        if flags:
+            if libc.renameat2(ofd, o, nfd, n, ctypes.c_uint(flags)) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+        else:
+            os.rename(o, n, src_dir_fd=ofd, dst_dir_fd=nfd)
+        return target, os.stat(n, dir_fd=nfd, follow_symlinks=False)
+
+
+def setattr(root: int, path: bytes, fd: int | None, mode: int | None, uid: int, gid: int,
+            times: tuple[int | None, int | None] | None, touch: bool = False
+            ) -> os.stat_result:
+    """chmod/chown/utimens in one thread call (size changes go through the engine);
+    `touch`: nothing to change, but the ctime changes, as chown(-1, -1) does."""
+    if touch:
+        uid = gid = -1
+    if fd is not None:
+        return _setattr_fd(fd, mode, uid, gid, times, touch)
+    with at(root, path) as (dfd, r):
+        st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
+        is_link = (st.st_mode & 0o170000) == 0o120000
+        if mode is not None and not is_link:
+            os.chmod(r, mode, dir_fd=dfd)
+        if uid != -1 or gid != -1 or touch:
+            os.chown(r, uid, gid, dir_fd=dfd, follow_symlinks=False)
+        if times is not None:
+            os.utime(r, ns=_times_ns(st, times), dir_fd=dfd, follow_symlinks=False)
+        return os.stat(r, dir_fd=dfd, follow_symlinks=False)
+
+
+def _setattr_fd(fd: int, mode: int | None, uid: int, gid: int,
+                times: tuple[int | None, int | None] | None, touch: bool) -> os.stat_result:
+    st = os.fstat(fd)
+    if mode is not None:
+        os.fchmod(fd, mode)
+    if uid != -1 or gid != -1 or touch:
+        os.fchown(fd, uid, gid)
+    if times is not None:
+        os.utime(fd, ns=_times_ns(st, times))
+    return os.fstat(fd)
+
+
+def _times_ns(st: os.stat_result, times: tuple[int | None, int | None]) -> tuple[int, int]:
+    atime, mtime = times
+    return (st.st_atime_ns if atime is None else atime,
+            st.st_mtime_ns if mtime is None else mtime)
+
+
+def truncate_stat(root: int, path: bytes, fd: int | None, size: int) -> os.stat_result:
+    """Truncate through `fd` if given (the file may have no name any more), else by path."""
+    if fd is not None:
+        os.ftruncate(fd, size)
+        return fresh_fstat(fd)
+    fd = open_at(root, path, os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        os.ftruncate(fd, size)
+        return fresh_fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def scandir(root: int, path: bytes) -> list[tuple[bytes, os.stat_result]]:
+    """A directory's entries with their lstat, as a snapshot."""
+    out = []
+    fd = open_at(root, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with os.scandir(fd) as it:
+            for entry in it:
+                try:
+                    out.append((os.fsencode(entry.name), entry.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue                            # removed while listing
+    finally:
+        os.close(fd)
+    return out
+
+
+def fsync_path(root: int, path: bytes, datasync: bool) -> None:
+    fd = open_at(root, path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        (os.fdatasync if datasync else os.fsync)(fd)
+    finally:
+        os.close(fd)
+
+
+# -- extended attributes --------------------------------------------------------------------
+#
+# Linux has no *at form of the xattr calls, and they fail with EBADF on an O_PATH fd. A node
+# is named as /proc/self/fd/<dir fd>/<rest> and not followed (l*xattr): the magic link
+# takes the walk into the directory, and the last component is the node itself, whatever
+# its type (file, directory, symlink, fifo, socket, device). This needs /proc mounted. A node
+# with no name any more (open and unlinked) is reached through a descriptor of an open
+# handle (f*xattr).
+
+_PROC_FD = b"/proc/self/fd/%d/%s"
+
+
+@contextlib.contextmanager
+def _xattr_path(root: int, rel: bytes) -> Iterator[bytes]:
+    with at(root, rel) as (dfd, r):
+        path = _PROC_FD % (dfd, r)
+        if len(path) < PATH_MAX:
+            yield path
+            return
+        parent, _, name = r.rpartition(b"/")
+        pfd = os.open(parent, _DIR_FLAGS, dir_fd=dfd)
+        try:
+            yield _PROC_FD % (pfd, name)
+        finally:
+            os.close(pfd)
+
+
+def getxattr(root: int, rel: bytes, fd: int | None, name: bytes) -> bytes:
+    if fd is not None:
+        return os.getxattr(fd, name)
+    with _xattr_path(root, rel) as path:
+        return os.getxattr(path, name, follow_symlinks=False)
+
+
+def listxattr(root: int, rel: bytes, fd: int | None) -> list[str]:
+    if fd is not None:
+        return os.listxattr(fd)
+    with _xattr_path(root, rel) as path:
+        return os.listxattr(path, follow_symlinks=False)
+
+
+def setxattr(root: int, rel: bytes, fd: int | None, name: bytes, value: bytes) -> None:
+    if fd is not None:
+        return os.setxattr(fd, name, value)
+    with _xattr_path(root, rel) as path:
+        os.setxattr(path, name, value, 0, follow_symlinks=False)
+
+
+def removexattr(root: int, rel: bytes, fd: int | None, name: bytes) -> None:
+    if fd is not None:
+        return os.removexattr(fd, name)
+    with _xattr_path(root, rel) as path:
+        os.removexattr(path, name, follow_symlinks=False)
