@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import stat as stat_mod
 from typing import Iterator
 
 from .libc import libc
@@ -28,6 +29,7 @@ from .statx import fresh_fstat
 # built with relative names as programs may) is walked in pieces (`at`).
 
 PATH_MAX = 4096                 # bytes, the terminating NUL included (Linux)
+RENAME_EXCHANGE = 2             # renameat2 (linux/fs.h)
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 
 
@@ -66,6 +68,36 @@ def at(root: int, rel: bytes) -> Iterator[tuple[int, bytes]]:
 def open_at(root: int, rel: bytes, flags: int, mode: int = 0o777) -> int:
     with at(root, rel) as (dfd, r):
         return os.open(r, flags, mode, dir_fd=dfd)
+
+
+def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes, ...] = ()
+                ) -> int:
+    """Open BACKING's file with inode `ino` for writing: at its path hint (relative to
+    BACKING's root fd; older caches stored absolute paths under one of `root_paths`), or
+    found by a walk of BACKING (it was renamed while cachefs was down). -1 if it no longer
+    exists."""
+    if hint and hint.startswith(b"/"):
+        prefixes = [p.rstrip(b"/") + b"/" for p in root_paths]
+        hint = next((hint[len(p):] for p in prefixes if hint.startswith(p)), None)
+    if hint:
+        try:
+            fd = open_at(root, hint, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+                raise
+        else:
+            if os.fstat(fd).st_ino == ino:
+                return fd
+            os.close(fd)
+    for _, _, names, dfd in os.fwalk(".", dir_fd=root):
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
+                return os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
+    return -1
 
 
 def lstat(root: int, rel: bytes) -> os.stat_result:
@@ -171,7 +203,8 @@ def link(root: int, old: bytes, new: bytes) -> os.stat_result:
 
 def rename(root: int, old: bytes, new: bytes, flags: int
            ) -> tuple[os.stat_result | None, os.stat_result]:
-    """Rename with renameat2 flags; returns (the replaced target's stat or None, new stat)."""
+    """Rename with renameat2 flags; returns (the replaced target's stat or None, new stat).
+    With RENAME_EXCHANGE the first is the stat of the other node, now at `old`."""
     with at(root, old) as (ofd, o), at(root, new) as (nfd, n):
         try:
             target = os.stat(n, dir_fd=nfd, follow_symlinks=False)
@@ -183,6 +216,8 @@ def rename(root: int, old: bytes, new: bytes, flags: int
                 raise OSError(err, os.strerror(err))
         else:
             os.rename(o, n, src_dir_fd=ofd, dst_dir_fd=nfd)
+        if flags & RENAME_EXCHANGE:
+            target = os.stat(o, dir_fd=ofd, follow_symlinks=False)
         return target, os.stat(n, dir_fd=nfd, follow_symlinks=False)
 
 

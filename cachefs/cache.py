@@ -125,7 +125,7 @@ class Cache:
         if self.pins is not None:
             self.pins.renamed(ino, new_path)
         cf = self.files.get(ino)
-        if cf is not None and cf.dirty_exts:
+        if cf is not None:              # its path: for destaging, copy-backs, warming, loads
             cf.path = new_path
             self.state.persist_identity(cf)
 

@@ -279,6 +279,10 @@ class Operations(pyfuse3.Operations):
         moved = self._inodes.ino_of(st)
         self._cache.own_metadata_change(moved, st)
         self._cache.renamed(moved, new)
+        if exchange:                    # the other node moved too (its ctime with it)
+            other = self._inodes.ino_of(replaced)
+            self._cache.own_metadata_change(other, replaced)
+            self._cache.renamed(other, old)
         if (replaced is not None and not exchange and stat_mod.S_ISREG(replaced.st_mode)
                 and replaced.st_ino != st.st_ino):
             if replaced.st_nlink <= 1:

@@ -118,14 +118,12 @@ class HeldWrites:
         if self.write_back:
             self._dirty_all(cf)
             return
-        if cf.path is None:
-            return
         async with self._s.file_lock(cf):
             size = cf.size
             cf.writes_inflight += 1
             try:
                 st = await self.backing.write_call(_copy_back, self.cachefiles.path(cf.ino),
-                                                   self.backing.root_fd, cf.path, size)
+                                                   self.backing.root_fd, cf.path, cf.ino, size)
             finally:
                 cf.writes_inflight -= 1
             if st is not None:
@@ -144,17 +142,18 @@ class HeldWrites:
         return written
 
 
-def _copy_back(cache_path: str, root: int, path: bytes, size: int) -> os.stat_result | None:
-    """Copy a cache file's first `size` bytes over BACKING's file (a thread); its stat, or
-    None if either file is gone."""
+def _copy_back(cache_path: str, root: int, path: bytes | None, ino: int, size: int
+               ) -> os.stat_result | None:
+    """Copy a cache file's first `size` bytes over BACKING's file `ino` (at `path`, or found
+    where it went: never another file that took its name) in a thread; its stat, or None if
+    either file is gone."""
     try:
         cfd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     try:
-        try:
-            bfd = bp.open_at(root, path, os.O_WRONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        bfd = bp.open_by_ino(root, path, ino)
+        if bfd < 0:
             return None
         try:
             off = 0

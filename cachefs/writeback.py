@@ -20,11 +20,9 @@ engine; it decides and moves bytes.
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
-import stat as stat_mod
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -256,8 +254,8 @@ class Destager:
                 return
             if cf.wb_fd < 0:
                 try:
-                    fd = await self._backing.write_call(_open_by_ino, self._backing.root_fd,
-                                                        self._root_paths, cf.path, cf.ino)
+                    fd = await self._backing.write_call(bp.open_by_ino, self._backing.root_fd,
+                                                        cf.path, cf.ino, self._root_paths)
                 except OSError as exc:
                     self._failed(cf, exc)
                     return
@@ -452,33 +450,3 @@ def _checked(data: memoryview, off: int, sums: dict[int, int], damaged: list[int
     if start < len(data):
         items.append((view[start:], off + start))
     return items
-
-
-def _open_by_ino(root: int, root_paths: tuple[bytes, ...], hint: bytes | None, ino: int
-                 ) -> int:
-    """Open BACKING's file with inode `ino` for writing: at its path hint (relative to
-    BACKING's root fd; older caches stored absolute paths under one of `root_paths`), or
-    found by a walk of BACKING (it was renamed while cachefs was down). -1 if it no longer
-    exists."""
-    if hint and hint.startswith(b"/"):
-        prefixes = [p.rstrip(b"/") + b"/" for p in root_paths]
-        hint = next((hint[len(p):] for p in prefixes if hint.startswith(p)), None)
-    if hint:
-        try:
-            fd = bp.open_at(root, hint, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
-                raise
-        else:
-            if os.fstat(fd).st_ino == ino:
-                return fd
-            os.close(fd)
-    for _, _, names, dfd in os.fwalk(".", dir_fd=root):
-        for name in names:
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
-                return os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
-    return -1

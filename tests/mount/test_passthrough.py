@@ -206,6 +206,39 @@ def test_shared_writable_mmap_reaches_backing(pt_mount, mode):
     assert read_all(m.path("mm"), direct=True) == data
 
 
+
+def test_mapped_file_renamed_and_its_name_reused(pt_mount, mode):
+    """A file mapped shared and writable is renamed and a new file takes its old name: the
+    mapping's bytes reach the renamed file, and the new file is left alone (write-through
+    copied the cache file over the new file by the old path, and left the renamed one old)."""
+    m = pt_mount
+    (m.backing / "f").write_bytes(os.urandom(MiB))
+    cache_fully(m, "f", MiB)
+    mapped = os.urandom(MiB)
+    r = open_passthrough(m, "f")
+    try:
+        w = os.open(m.path("f"), os.O_RDWR)
+        try:
+            with mmap.mmap(w, 0) as mp:
+                mp[:] = mapped
+                mp.flush()
+                os.rename(m.path("f"), m.path("g"))
+                m.path("f").write_bytes(b"a new file under the old name\n")
+        finally:
+            os.close(w)
+    finally:
+        os.close(r)
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 15, what="the release")
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == b"a new file under the old name\n"
+    assert (m.backing / "g").read_bytes() == mapped
+    assert m.path("g").read_bytes() == mapped
+    m.stop()
+    assert (m.backing / "g").read_bytes() == mapped
+    m.start()
+    assert read_all(m.path("g"), direct=True) == mapped
+
 def test_drop_pressure_and_outside_change_never_zero_a_reader(make_mount, mode):
     reason = _available()
     if reason:

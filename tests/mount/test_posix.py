@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import subprocess
+import time
 
 import pytest
 
@@ -483,6 +484,30 @@ def test_rename_noreplace_and_exchange(mounted):
     with pytest.raises(FileNotFoundError):
         renameat2(m.path("dir"), m.path("missing"), RENAME_EXCHANGE)
 
+
+
+def test_rename_exchange_of_cached_files_is_cachefs_own_change(mounted, mode):
+    """RENAME_EXCHANGE moves two files: both new ctimes are cachefs's own change, so neither
+    file's cached data is dropped as changed behind the cache nor reported as a conflict
+    (both were, for the node swapped to the old name)."""
+    m = mounted
+    a, b = os.urandom(200_000), os.urandom(300_000)
+    m.path("a").write_bytes(a)
+    m.path("b").write_bytes(b)
+    for _ in range(2):
+        assert m.path("a").read_bytes() == a and m.path("b").read_bytes() == b
+    time.sleep(0.3)
+    before = m.stats()
+    assert before["extents_cached"] >= 8
+    renameat2(m.path("a"), m.path("b"), RENAME_EXCHANGE)
+    time.sleep(0.3)                                 # past the attribute timeout: revalidation
+    assert os.stat(m.path("a")).st_size == len(b) and os.stat(m.path("b")).st_size == len(a)
+    assert m.path("a").read_bytes() == b and m.path("b").read_bytes() == a
+    after = m.stats()
+    assert (after["conflicts"], after["stale_files"], after["drop_coherence"]) == \
+        (before["conflicts"], before["stale_files"], before["drop_coherence"])
+    assert after["extents_cached"] == before["extents_cached"]
+    assert (flushed(m) / "a").read_bytes() == b and (flushed(m) / "b").read_bytes() == a
 
 def test_hard_link(mounted):
     m = mounted
