@@ -2,14 +2,12 @@
 `EntryAttributes` the kernel caches (timeouts from the config, the logical size of the
 engine, and in write-back the view of a file whose data is still dirty).
 
-Owns the write-back write times (inode -> time of its last write through the mount). Never
-does I/O.
+Never does I/O.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 import pyfuse3
 
@@ -23,7 +21,6 @@ class Attributes:
     def __init__(self, cfg: Config, cache: Cache):
         self._cfg = cfg
         self._cache = cache
-        self._written_ns: dict[int, int] = {}       # write-back: ino -> time of last write
 
     def of(self, st: os.stat_result, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -46,15 +43,6 @@ class Attributes:
             self._dirty_view(a, st, ino)
         return a
 
-    def written(self, ino: int) -> None:
-        """A write-back write (or truncate) of `ino` was acknowledged now."""
-        if self._cache.write_back:
-            self._written_ns[ino] = time.time_ns()
-
-    def mtime_set(self, ino: int) -> None:
-        """An explicit mtime (utimens) wins over the time of our writes."""
-        self._written_ns.pop(ino, None)
-
     def _dirty_view(self, a: pyfuse3.EntryAttributes, st: os.stat_result, ino: int) -> None:
         """Write-back: attributes of a file with dirty data as they will be once it reaches
         BACKING. BACKING may hold none of the bytes yet, and a file that claims 0 blocks
@@ -62,10 +50,8 @@ class Attributes:
         the writes, or make and rsync miss the change until the destage."""
         cf = self._cache.files.get(ino)
         if cf is None or not cf.dirty_exts:
-            self._written_ns.pop(ino, None)
             return
         a.st_blocks = max(st.st_blocks, -(-min(a.st_size, cf.dirty_exts * EXT_SIZE) // 512))
-        written = self._written_ns.get(ino)
-        if written is not None:
-            a.st_mtime_ns = max(st.st_mtime_ns, written)
-            a.st_ctime_ns = max(st.st_ctime_ns, written)
+        if cf.times is not None:        # what BACKING gets after the destage (set_times)
+            a.st_mtime_ns = cf.times[1]
+            a.st_ctime_ns = max(st.st_ctime_ns, cf.times[1])

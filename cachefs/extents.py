@@ -20,6 +20,7 @@ EXT_SHIFT = 16          # 64 KiB extents
 BLK_SHIFT = 12          # 4 KiB blocks
 BLKS_PER_EXT = EXT_SIZE // BLK_SIZE
 FULL_MASK = (1 << BLKS_PER_EXT) - 1
+KEEP_ATIME = -1         # CachedFile.times: leave BACKING's atime as it is
 
 
 def block_mask(start: int, end: int) -> int:
@@ -118,7 +119,8 @@ class CachedFile:
         self.held = None                   # openmode.Held while the kernel may read the
                                            # cache file itself (passthrough opens, mappings)
         self.verified = True               # every block checked or written by this mount
-        self.times = None                  # write-back: (atime_ns, mtime_ns) set explicitly
+        self.times = None                  # write-back: (atime_ns, mtime_ns) BACKING gets
+                                           # after the dirty data (state.set_times)
                                            # while dirty, put back on BACKING by destaging
                                            # (False when loaded: verify.py before passthrough)
 

@@ -196,10 +196,7 @@ class Operations(pyfuse3.Operations):
             st = await self._ns.kill_suidgid(inode, path, fd) or st
         self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
         if fields.update_mtime:
-            self._attrs.mtime_set(inode)
             self._cache.times_set(inode, st)
-        elif fields.update_size:
-            self._attrs.written(inode)
         return self._attr(st, inode)
 
     @_errno_mapped
@@ -359,7 +356,6 @@ class Operations(pyfuse3.Operations):
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)
-        self._attrs.written(of.ino)
         return n
 
     async def _kill_suidgid(self, of) -> os.stat_result | None:

@@ -137,6 +137,8 @@ class HeldWrites:
         """_write_around for a held file (its lock held): BACKING, then the cache file, in
         that order, blocks dirty before stay dirty (their bytes are the newest now too)."""
         written = await self._write_held(of, off, data, -1)
+        if of.cfile.dirty_exts:             # the destage of older data must not move it back
+            self._s.written_now(of.cfile)
         if of.flags & (os.O_SYNC | os.O_DSYNC):
             await self.persister.persist(durable=True)
         return written

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from time import clock_gettime_ns
 
 import trio
 
@@ -23,7 +24,7 @@ from .cachefiles import CacheFiles, pwrite_all
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
 from .extentmap import ExtentMap
-from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, Extent, block_mask, identity, runs
+from .extents import BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent, block_mask, identity, runs
 from .integrity import Reports, lost_blocks
 from .persist import NO_SPACE, Persister
 from .policy import Admission, Clock, S3Fifo
@@ -33,7 +34,8 @@ from .store import MetadataStore
 log = logging.getLogger("cachefs.cache")
 
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
-TIMES = "times:"             # meta key prefix of explicit times awaiting a destage
+CLOCK_REALTIME_COARSE = 5      # linux/time.h: the clock the kernel stamps files with
+TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
 
 
@@ -138,9 +140,19 @@ class CacheState:
             return False
         return st is not None and identity(st) == cf.identity
 
+    def written_now(self, cf: CachedFile) -> None:
+        """Write-back: a write (or truncate) of `cf` was taken now: the mtime BACKING gets
+        after the destage is this one (the kernel's coarse clock, as it stamps files)."""
+        now = clock_gettime_ns(CLOCK_REALTIME_COARSE)
+        times = cf.times
+        if times is None or times[1] != now:
+            self.set_times(cf, (KEEP_ATIME if times is None else times[0], now))
+
     def set_times(self, cf: CachedFile, times: tuple[int, int] | None) -> None:
-        """Write-back: explicit times for BACKING once the file's data is there (None: a
-        write or a truncate came since, or the file is clean: BACKING's own are right)."""
+        """Write-back: the (atime_ns, mtime_ns) BACKING is to have once the file's dirty data
+        is there (a destage moves BACKING's mtime to its own time): the time of the last
+        write through the mount, or times set explicitly since; atime KEEP_ATIME: BACKING's
+        own. None: the file is clean, BACKING's own times are right."""
         if times == cf.times:
             return
         cf.times = times

@@ -35,7 +35,7 @@ from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .statx import fresh_fstat
 from .dirty import DirtyIndex
 from .errors import CommandFailed
-from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, block_mask, runs
+from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, KEEP_ATIME, block_mask, runs
 from .integrity import block_sum
 from .oplog import RateLimitedLog
 from .stats import Stats
@@ -375,8 +375,9 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
                 times: tuple[int, int] | None = None) -> tuple[os.stat_result, list[int]]:
     """Copy runs from the cache file to BACKING, then make BACKING durable (one thread call);
     returns BACKING's stat and the offsets of blocks left out because they failed their
-    checksums (garbage never reaches BACKING). `times`: (atime_ns, mtime_ns) set explicitly
-    through the mount, put back after the data (which moved BACKING's mtime).
+    checksums (garbage never reaches BACKING). `times`: (atime_ns, mtime_ns) the file had
+    through the mount (its last write, or times set explicitly since), put back after the
+    data, which moved BACKING's mtime (atime KEEP_ATIME: BACKING's stays).
 
     The runs go out together through AIO (BACKING serves them in parallel; a FUSE BACKING
     would otherwise take them one at a time), then one fdatasync covers them all.
@@ -410,7 +411,8 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
             os.close(direct)
     os.fdatasync(fd)
     if times is not None:
-        os.utime(fd, ns=times)
+        atime, mtime = times
+        os.utime(fd, ns=(os.fstat(fd).st_atime_ns if atime == KEEP_ATIME else atime, mtime))
     return fresh_fstat(fd), damaged    # BACKING's own attributes, not the kernel's cached ones
 
 

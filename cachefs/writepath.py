@@ -21,7 +21,7 @@ from .cachefiles import pwrite_all
 from .coherence import Coherence
 from .config import BLK_SIZE, EXT_SIZE
 from .extentmap import spans
-from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask, runs
+from .extents import BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, block_mask, covered_mask, runs
 from .heldwrites import HeldWrites
 from .hit import OpenFile
 from .state import CacheState
@@ -133,8 +133,7 @@ class WritePath(HeldWrites):
             # not acknowledged from there; BACKING takes it (or the write fails).
             self._s.ssd_failed(exc, "a write-back write")
             return await self._write_around(of, off, data)
-        if cf.times is not None:
-            self._s.set_times(cf, None)         # a write after the times: its time wins
+        self._s.written_now(cf)                 # the mtime BACKING gets after the destage
         if cf.wb_fd < 0:
             cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
         self.stats.write_ops += 1
@@ -224,6 +223,8 @@ class WritePath(HeldWrites):
         self.stats.backing_write_ops += 1
         self.stats.backing_write_bytes += written
         self._c.own_change(cf, st, size_exact=False)
+        if cf.dirty_exts:                   # the destage of older data must not move it back
+            self._s.written_now(cf)
         if end > cf.size:
             cf.size = end
             self._s.persist_identity(cf)
@@ -386,10 +387,12 @@ class WritePath(HeldWrites):
         if cf is None:
             return await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
                                                  fd, size)
-        if cf.times is not None:
-            self._s.set_times(cf, None)         # the truncate sets BACKING's times itself
         async with self._s.file_lock(cf):
-            return await self._truncate_locked(cf, size, path, fd)
+            st = await self._truncate_locked(cf, size, path, fd)
+        if cf.dirty_exts:                       # a later destage must not move the mtime
+            self._s.set_times(cf, (KEEP_ATIME if cf.times is None else cf.times[0],
+                                   st.st_mtime_ns))
+        return st
 
     def _trim(self, cf: CachedFile, size: int, cut_file: bool = True) -> None:
         """Drop cached blocks past a new size (dirty ones too) and, with `cut_file`, zero

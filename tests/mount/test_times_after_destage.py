@@ -73,3 +73,39 @@ def test_a_write_after_the_times_wins_and_times_survive_a_remount(make_mount):
     ctl_flush(m)
     assert os.stat(m.backing / "a").st_mtime_ns == old
     assert os.stat(m.backing / "b").st_mtime_ns >= before - 5 * 10**9
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_written_files_keep_the_mtime_of_their_last_write(make_mount, tmp_path, restart):
+    """The destage writes BACKING later than the program wrote the mount: BACKING's mtime is
+    then put back to the time of the last write (or truncate) through the mount, the one the
+    mount showed, across a remount too. It was the destage time: `make` built `out` from
+    `src`, `src` changed, and after the destage both had the same mtime: no rebuild."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600", "--dirty-high", "64M",
+                   "--dirty-low", "32M", "--attr-timeout", "0.1")
+    m.path("src").write_bytes(b"v1\n")
+    time.sleep(0.02)
+    m.path("out").write_bytes(b"v1\n")                  # built from src
+    time.sleep(0.02)
+    with open(m.path("src"), "r+b") as f:               # src changes in place
+        f.write(b"v2\n")
+    with open(m.path("cut"), "wb") as f:
+        f.write(os.urandom(300_000))
+    time.sleep(0.02)
+    os.truncate(m.path("cut"), 100_000)                 # a truncate after the write
+    names = ["src", "out", "cut"]
+    shown = mtimes(m.mnt, names)
+    assert shown["src"] > shown["out"]
+    assert m.stats()["dirty_bytes"] > 0
+    if restart:
+        m.restart()
+    time.sleep(0.3)                                     # the destage comes later
+    ctl_flush(m)
+    assert mtimes(m.backing, names) == shown
+    time.sleep(0.2)
+    assert mtimes(m.mnt, names) == shown
+    assert (m.backing / "src").read_bytes() == b"v2\n"
+    if shutil.which("make"):
+        (tmp_path / "Makefile").write_text(f"{m.mnt}/out: {m.mnt}/src\n\tcp $< $@\n")
+        q = subprocess.run(["make", "-q", "-f", str(tmp_path / "Makefile")])
+        assert q.returncode == 1, "make takes out for up to date with src"
