@@ -308,7 +308,10 @@ class Operations(pyfuse3.Operations):
         self._fds.add(of)
         if getattr(ctx, "kill_suidgid", False):         # O_TRUNC by a caller w/o CAP_FSETID
             await self._kill_suidgid(of)
-        return _file_info(self._modes.answer(of, keep))
+        answer = self._modes.answer(of, keep)
+        if answer.durable:              # before the kernel lets the caller map the file
+            await self._cache.persist(durable=True)
+        return _file_info(answer)
 
     @_errno_mapped
     async def create(self, parent_inode, name, mode, flags, ctx):

@@ -18,6 +18,7 @@ from .cachefiles import pwrite_all
 from .extentmap import spans
 from .extents import EXT_SHIFT, CachedFile, covered_mask
 from .hit import OpenFile
+from .state import MAPPED
 
 log = logging.getLogger("cachefs.writepath")
 
@@ -84,30 +85,27 @@ class HeldWrites:
         self._s.persist_identity(cf)
 
     def dirty_all(self, of: OpenFile | None, why: str) -> None:
-        """Write-back: every cached block of a held file counts as written (a shared
-        writable mapping of its cache file may change any of them): dirty, so the destager
-        copies the cache file's bytes to BACKING. Write-through copies at the end
-        (sync_back). In both modes the blocks' checksums are unknown until then."""
+        """A shared writable mapping of a held file's cache file may change any block: the
+        blocks' checksums are unknown until it is gone (sync_back). Write-back: every cached
+        block counts as written (dirty), so the destager copies the cache file's bytes to
+        BACKING; write-through copies at the end (sync_back). In both modes a mark (MAPPED,
+        to be durable before the open is answered: Answer.durable) makes a mount after a
+        crash take the whole file as dirty: the mapping may have written it since any
+        destage."""
         cf = of.cfile if of is not None else None
         if cf is None:
             return
+        self.store.queue_meta(f"{MAPPED}{cf.ino}", "1")
         for x in list(cf.extents.values()):
             self._s.map.unsummed(cf, x, known=False)
         if not self.write_back:
             return
-        self._dirty_all(cf)
+        self._s.dirty_whole(cf, journal=True)
         if cf.wb_fd < 0 and of is not None and of.flags & os.O_ACCMODE != os.O_RDONLY:
             cf.wb_fd = os.dup(of.backing_fd)
         self.stats.passthrough_syncs += 1
         log.info("inode %d: all %d cached extents made dirty (%s may write its cache file "
                  "through a shared mapping)", cf.ino, len(cf.extents), why)
-
-    def _dirty_all(self, cf: CachedFile) -> None:
-        for x in list(cf.extents.values()):
-            m = x.valid & ~x.dirty
-            if m:
-                self.persister.journal_dirtying(x.key)
-                self._s.map.write(cf, x, m, changed=False)
 
     async def sync_back(self, cf: CachedFile) -> None:
         """The end of a held file a shared writable mapping may have changed: write-back
@@ -116,7 +114,8 @@ class HeldWrites:
         for x in list(cf.extents.values()):
             self._s.map.unsummed(cf, x, known=True)     # as the mapping left them
         if self.write_back:
-            self._dirty_all(cf)
+            self._s.dirty_whole(cf, journal=True)
+            self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # with the dirty marks
             return
         async with self._s.file_lock(cf):
             size = cf.size
@@ -126,6 +125,7 @@ class HeldWrites:
                                                    self.backing.root_fd, cf.path, cf.ino, size)
             finally:
                 cf.writes_inflight -= 1
+            self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # BACKING has it (or no file)
             if st is not None:
                 self._c.own_change(cf, st, size_exact=False)
                 self.stats.backing_write_ops += 1

@@ -83,6 +83,7 @@ class Answer:
     direct_io: bool
     keep_cache: bool
     backing_id: int = 0       # the cache file registered for passthrough; 0: none
+    durable: bool = False     # the engine's metadata must be durable before the answer
 
 
 class Kernel:
@@ -283,6 +284,7 @@ class OpenModes:
 
     def _passthrough(self, of: OpenFile, h: Held, mode: str, why: str) -> Answer:
         of.mode = mode
+        durable = False
         h.opens += 1
         h.generation += 1
         if mode == PASSTHROUGH:
@@ -295,10 +297,11 @@ class OpenModes:
                         h.current:
                     h.mapped_writable = True
                     self._writes.dirty_all(of, "an O_RDWR open of a file in passthrough")
+                    durable = True
         if self._debug:
             log.debug("open ino %d fh %d: %s, backing id %d (%s)", of.ino, of.fh, mode,
                       h.backing_id, why)
-        return Answer(of.fh, mode == JOINED, False, h.backing_id)
+        return Answer(of.fh, mode == JOINED, False, h.backing_id, durable)
 
     def release(self, of: OpenFile) -> None:
         """A handle is released (in the release handler: the backing id can be closed)."""

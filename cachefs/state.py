@@ -35,6 +35,7 @@ log = logging.getLogger("cachefs.cache")
 
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
 CLOCK_REALTIME_COARSE = 5      # linux/time.h: the clock the kernel stamps files with
+MAPPED = "mapped:"           # meta key prefix: a held file mapped shared and writable
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
 
@@ -97,6 +98,17 @@ class CacheState:
                 over += 1
                 continue
             self.map.restore(cf, ext, valid, dirty, sums, summed)
+        for key in self.store.meta_keys(MAPPED):
+            self.store.queue_meta(key, None)        # committed with the dirty marks below
+            cf = self.files.get(int(key[len(MAPPED):]))
+            if cf is not None and cf.extents:
+                log.warning("inode %d (%s) was mapped shared and writable at the last stop: "
+                            "its cache file may hold writes BACKING lacks; its %d cached "
+                            "extents are dirty and go to BACKING", cf.ino,
+                            os.fsdecode(cf.path or b"?"), len(cf.extents))
+                for x in cf.extents.values():
+                    self.map.unsummed(cf, x, known=False)
+                self.dirty_whole(cf)
         for key, value in self.store.meta_items(TIMES).items():
             cf = self.files.get(int(key[len(TIMES):]))
             if cf is not None and cf.dirty_exts:
@@ -139,6 +151,17 @@ class CacheState:
         except OSError:
             return False
         return st is not None and identity(st) == cf.identity
+
+    def dirty_whole(self, cf: CachedFile, journal: bool = False) -> None:
+        """Every valid block of `cf` counts as written (dirty): its cache file may hold bytes
+        BACKING lacks, written behind the engine's back (a shared writable mapping).
+        `journal`: note them in the doubt journal first (at run time)."""
+        for x in list(cf.extents.values()):
+            m = x.valid & ~x.dirty
+            if m:
+                if journal:
+                    self.persister.journal_dirtying(x.key)
+                self.map.write(cf, x, m, changed=False)
 
     def written_now(self, cf: CachedFile) -> None:
         """Write-back: a write (or truncate) of `cf` was taken now: the mtime BACKING gets

@@ -321,6 +321,47 @@ def test_kill9_with_passthrough_opens(pt_mount):
         os.close(fd)
 
 
+
+@pytest.mark.parametrize("flush_between", [False, True])
+def test_kill9_while_mapped_writable_keeps_the_mappings_writes(pt_mount, mode, flush_between):
+    """kill -9 of the daemon while a file in passthrough is mapped shared and writable: the
+    mapping wrote the cache file behind the engine, so the next mount takes the whole file
+    as written and BACKING gets it (write-through: before the mount serves; write-back: by
+    the destager). It came back as clean data BACKING never had (the mount and BACKING
+    disagreed, and an eviction would have brought the old bytes back); in write-back also
+    when a destage had cleaned the blocks before the mapping wrote them again."""
+    m = pt_mount
+    data = bytearray(os.urandom(MiB))
+    (m.backing / "mw").write_bytes(data)
+    cache_fully(m, "mw", len(data))
+    r = open_passthrough(m, "mw")
+    w = os.open(m.path("mw"), os.O_RDWR)
+    mp = mmap.mmap(w, 0)
+    try:
+        mp[0:100_000] = data[0:100_000] = os.urandom(100_000)
+        mp.flush()
+        if flush_between:
+            ctl_flush(m)                                 # destaged: clean, still mapped
+        mp[500_000:700_000] = data[500_000:700_000] = os.urandom(200_000)
+        mp.flush()
+        m.kill()
+    finally:
+        mp.close()
+        for fd in (w, r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    m.start()
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "mw").read_bytes() == data
+    assert read_all(m.path("mw"), direct=True) == data
+    ctl_drop(m)
+    assert read_all(m.path("mw"), direct=True) == data
+    m.stop()
+    assert (m.backing / "mw").read_bytes() == data
+
 def test_no_passthrough_option(make_mount):
     m = make_mount("--no-passthrough")
     data = os.urandom(MiB)
