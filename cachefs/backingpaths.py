@@ -188,9 +188,12 @@ def unlink(root: int, path: bytes) -> os.stat_result:
         return st
 
 
-def rmdir(root: int, path: bytes) -> None:
+def rmdir(root: int, path: bytes) -> os.stat_result:
+    """Remove a directory; its stat from just before."""
     with at(root, path) as (dfd, r):
+        st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
         os.rmdir(r, dir_fd=dfd)
+        return st
 
 
 def link(root: int, old: bytes, new: bytes) -> os.stat_result:

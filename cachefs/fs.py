@@ -69,6 +69,9 @@ class Operations(pyfuse3.Operations):
         self._inodes = inodes
         self._control_path = os.fsencode(control_path)
         self._dirs: dict[int, tuple[int, list]] = {}
+        # Directories removed while the kernel still knows them (a process's cwd): their last
+        # attributes, so stat(".") and opendir(".") work there as on Linux (nlink 0, empty).
+        self._removed_dirs: dict[int, os.stat_result] = {}
         self._attrs = Attributes(cfg, cache)
         self._attr = self._attrs.of
         self._next_fh = 1
@@ -120,6 +123,7 @@ class Operations(pyfuse3.Operations):
     def _entry(self, parent: int, name: bytes, st: os.stat_result,
                token: tuple | None = None) -> pyfuse3.EntryAttributes:
         ino = self._inodes.remember(parent, name, st)
+        self._removed_dirs.pop(ino, None)       # BACKING reused the number
         if token is not None:
             self._cache.attributes_seen(ino, st, token)
         return self._attr(st, ino)
@@ -152,6 +156,7 @@ class Operations(pyfuse3.Operations):
         for ino, nlookup in inode_list:
             self._inodes.forget(ino, nlookup)
             self._cache.forget(ino)
+            self._removed_dirs.pop(ino, None)
 
     @_errno_mapped
     async def getattr(self, inode, ctx=None):
@@ -159,6 +164,10 @@ class Operations(pyfuse3.Operations):
         with self._fds.borrow(inode) as fd:
             if fd is not None:
                 st = await self._ns.fstat(fd)
+            elif inode in self._removed_dirs:
+                a = self._attr(self._removed_dirs[inode], inode)
+                a.st_nlink = 0
+                return a
             else:
                 st = await self._ns.lstat(self._path(inode))
         self._cache.attributes_seen(inode, st, token)
@@ -256,7 +265,10 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def rmdir(self, parent_inode, name, ctx):
         path = self._child(parent_inode, name)
-        await self._ns.rmdir(path)
+        st = await self._ns.rmdir(path)
+        ino = self._inodes.ino_of(st)
+        if self._inodes.child(parent_inode, name) == ino:
+            self._removed_dirs[ino] = st
         self._inodes.unlinked(parent_inode, name)
 
     @_errno_mapped
@@ -389,7 +401,8 @@ class Operations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode, ctx):
-        self._path(inode)                       # ENOENT for a directory no longer known
+        if inode not in self._removed_dirs:     # (those are listed empty)
+            self._path(inode)                   # ENOENT for a directory no longer known
         fh = self._fh()
         self._dirs[fh] = (inode, [])
         return fh

@@ -93,8 +93,8 @@ class Namespace:
     async def unlink(self, path: bytes) -> os.stat_result:
         return await self._backing.write_call(bp.unlink, self._root, path)
 
-    async def rmdir(self, path: bytes) -> None:
-        await self._backing.write_call(bp.rmdir, self._root, path)
+    async def rmdir(self, path: bytes) -> os.stat_result:
+        return await self._backing.write_call(bp.rmdir, self._root, path)
 
     async def rename(self, old: bytes, new: bytes, flags: int):
         """(the stat of what `new` named before, or None; the stat of the moved node)"""

@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import subprocess
+import sys
 import time
 
 import pytest
@@ -508,6 +509,24 @@ def test_rename_exchange_of_cached_files_is_cachefs_own_change(mounted, mode):
         (before["conflicts"], before["stale_files"], before["drop_coherence"])
     assert after["extents_cached"] == before["extents_cached"]
     assert (flushed(m) / "a").read_bytes() == b and (flushed(m) / "b").read_bytes() == a
+
+
+def test_removed_directory_that_is_a_cwd(mounted, tmp_path):
+    """A process whose working directory is removed can still stat, open and list "." (nlink
+    0, no entries), as on Linux; cachefs answered ENOENT (`ls` failed there)."""
+    script = ("import os, stat; os.rmdir('../d'); st = os.stat('.'); "
+              "fd = os.open('.', os.O_RDONLY | os.O_DIRECTORY); os.close(fd); "
+              "print(st.st_nlink, stat.S_ISDIR(st.st_mode), os.listdir('.'))")
+    outs = []
+    for top in (tmp_path, mounted.mnt):
+        (top / "d").mkdir()
+        res = subprocess.run([sys.executable, "-c", script], cwd=top / "d",
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        outs.append(res.stdout)
+    assert outs[1] == outs[0] == "0 True []\n"
+    mounted.path("d").mkdir()                       # the name again: a new directory
+    assert os.stat(mounted.path("d")).st_nlink == 2 and os.listdir(mounted.path("d")) == []
 
 def test_hard_link(mounted):
     m = mounted
