@@ -20,7 +20,7 @@ from typing import Any, Callable
 import trio
 
 from . import aio
-from .backingpaths import lstat, symlink
+from .backingpaths import lstat, setxattr, symlink
 from .errors import BackingTimeout
 from .health import COUNTED, BackingHealth
 from .statx import fresh_fstat
@@ -76,7 +76,7 @@ class Backing:
         try:
             result = fn(*args)
         except OSError as exc:
-            if exc.errno in COUNTED:
+            if counted(fn, exc):
                 health.failed(what, exc, self.describe(fn, args))
             raise
         health.ok_s = _now()
@@ -110,7 +110,7 @@ class Backing:
                     health.succeeded(what, period)
                 return result
         except OSError as exc:
-            if exc.errno in COUNTED:
+            if counted(fn, exc):
                 health.failed(what, exc, self.describe(fn, args))
             raise
         health.timed_out(what, self.describe(fn, args), self.timeout_s)
@@ -132,7 +132,7 @@ class Backing:
         try:
             result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         except OSError as exc:
-            if exc.errno in COUNTED:
+            if counted(fn, exc):
                 health.failed(op_name(fn), exc, self.describe(fn, args))
             raise
         finally:
@@ -212,6 +212,13 @@ _OP_NAMES = {"_pwrite_stat": "write", "pwrite_all": "write", "truncate_stat": "t
              "open_by_ino": "open", "_writable_twin": "open", "open_direct": "open",
              "_open_fstat": "open", "_create_twin": "create", "close_all": "close",
              "create": "create", "dio_align": "open"}
+
+
+def counted(fn: Callable[..., Any], exc: OSError) -> bool:
+    """Whether a failed call tells of BACKING's health (health.COUNTED). ENOSPC from
+    setxattr is this attribute not fitting (ext4: the xattr space of one inode), not a full
+    file system: the caller gets it, as on BACKING itself."""
+    return exc.errno in COUNTED and not (fn is setxattr and exc.errno == errno.ENOSPC)
 
 
 def op_name(fn: Callable[..., Any]) -> str:

@@ -156,3 +156,28 @@ async def test_other_operations_working_do_not_end_a_failure_until_it_is_quiet(c
     await backing.read_call("stat", lambda: None)
     assert backing.health.snapshot()["state"] == "ok"
     assert lines(caplog)[-1] == "BACKING recovered after 1 error over 31.0 s (last: EIO on read)"
+
+
+async def test_an_xattr_that_does_not_fit_is_not_a_full_backing(caplog, tmp_path, monkeypatch):
+    """setxattr's ENOSPC is one attribute too large for the inode (ext4), not a full file
+    system: the caller gets it, BACKING is not marked failing (which also paused the
+    security.capability checks before writes), nothing is logged. A write's ENOSPC counts."""
+    from cachefs import backingpaths as bp
+    backing, stats, _ = make(caplog)
+    (tmp_path / "f").write_bytes(b"x")
+    root = bp.open_root(str(tmp_path))
+
+    def no_room(*args, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "setxattr", no_room)
+    try:
+        with pytest.raises(OSError) as exc:
+            await backing.write_call(bp.setxattr, root, b"f", None, b"user.big", b"v" * 65536)
+        assert exc.value.errno == errno.ENOSPC
+        assert backing.health.failing_since_s is None and stats.backing_errors == 0
+        assert lines(caplog) == []
+        with pytest.raises(OSError):
+            await backing.write_call(fail(errno.ENOSPC), b"x")
+        assert backing.health.failing_since_s is not None
+    finally:
+        os.close(root)
