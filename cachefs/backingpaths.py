@@ -14,6 +14,7 @@ import ctypes
 import errno
 import os
 import stat as stat_mod
+import threading
 from typing import Iterator
 
 from .libc import libc
@@ -121,6 +122,35 @@ def statvfs(root: int) -> os.statvfs_result:
 
 
 # -- namespace operations, each one thread call ---------------------------------------------
+#
+# A new node's mode: with POSIX ACLs on (fs.Operations.enable_acl, and FUSE_CAP_DONT_MASK from
+# deps/passthrough's pyfuse3-acl-dont-mask.patch) the kernel passes the mode unmasked and the
+# caller's umask apart, because a default ACL of the parent directory replaces the umask. The
+# node is made under the caller's umask, so BACKING applies it exactly where Linux would. The
+# umask belongs to a process's fs_struct, which its threads share: each thread that sets it
+# first takes its own copy (unshare CLONE_FS), and puts the daemon's (0) back after the call.
+
+CLONE_FS = 0x200                # linux/sched.h
+_own_fs = threading.local()
+
+
+@contextlib.contextmanager
+def creating_under(umask: int) -> Iterator[None]:
+    """Run a node's creation in this thread under `umask` (0, the daemon's own: as is)."""
+    if not umask:
+        yield
+        return
+    if not getattr(_own_fs, "done", False):
+        if libc.unshare(CLONE_FS) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_FS) for a caller's umask: {os.strerror(err)}")
+        _own_fs.done = True
+    old = os.umask(umask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
 
 def chown_new(root: int, path: bytes, uid: int, gid: int, parent: bytes) -> os.stat_result:
     """Give a new node to the caller, as BACKING would if the caller had made it.
@@ -138,10 +168,11 @@ def _new_gid(root: int, parent: bytes, gid: int) -> int:
     return -1 if stat(root, parent).st_mode & 0o2000 else gid
 
 
-def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, parent: bytes
-           ) -> tuple[int, os.stat_result]:
+def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, parent: bytes,
+           umask: int = 0) -> tuple[int, os.stat_result]:
     try:
-        fd = open_at(root, path, flags | os.O_CREAT | os.O_EXCL, mode)
+        with creating_under(umask):
+            fd = open_at(root, path, flags | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError:
         if flags & os.O_EXCL:
             raise
@@ -160,16 +191,16 @@ def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, pa
         raise
 
 
-def mknod(root: int, path: bytes, mode: int, rdev: int, uid: int, gid: int, parent: bytes
-          ) -> os.stat_result:
-    with at(root, path) as (dfd, r):
+def mknod(root: int, path: bytes, mode: int, rdev: int, uid: int, gid: int, parent: bytes,
+          umask: int = 0) -> os.stat_result:
+    with at(root, path) as (dfd, r), creating_under(umask):
         os.mknod(r, mode, rdev, dir_fd=dfd)
     return chown_new(root, path, uid, gid, parent)
 
 
-def mkdir(root: int, path: bytes, mode: int, uid: int, gid: int, parent: bytes
-          ) -> os.stat_result:
-    with at(root, path) as (dfd, r):
+def mkdir(root: int, path: bytes, mode: int, uid: int, gid: int, parent: bytes,
+          umask: int = 0) -> os.stat_result:
+    with at(root, path) as (dfd, r), creating_under(umask):
         os.mkdir(r, mode, dir_fd=dfd)
     return chown_new(root, path, uid, gid, parent)
 

@@ -205,7 +205,7 @@ class Cache:
         return of, unchanged
 
     async def create(self, fh: int, path: bytes, flags: int, mode: int, uid: int, gid: int,
-                     parent: bytes, remember: Callable[[os.stat_result], int]
+                     umask: int, parent: bytes, remember: Callable[[os.stat_result], int]
                      ) -> tuple[OpenFile, os.stat_result]:
         """Create and open a BACKING file owned by uid/gid; `remember` names its inode."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | (flags & os.O_EXCL) | os.O_CLOEXEC
@@ -215,7 +215,7 @@ class Cache:
             try:                # as in open(): fills of sub-block writes read through it
                 opened = await self.backing.write_call(
                     bp.create, self.backing.root_fd, path,
-                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid, parent)
+                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid, parent, umask)
                 readable = True
             except PermissionError:
                 pass
@@ -223,7 +223,7 @@ class Cache:
         if opened is None:          # write-through: the O_DIRECT twin in the same thread call
             fd, st, dfd = await self.backing.write_call(
                 _create_twin, self.backing.root_fd, path, bflags, mode, uid, gid, parent,
-                self._direct_twins)
+                umask, self._direct_twins)
         else:
             fd, st = opened
         ino = remember(st)
@@ -343,8 +343,9 @@ class Cache:
 
 
 def _create_twin(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int,
-                 parent: bytes, want_direct: bool) -> tuple[int, os.stat_result, int]:
-    fd, st = bp.create(root, path, flags, mode, uid, gid, parent)
+                 parent: bytes, umask: int, want_direct: bool
+                 ) -> tuple[int, os.stat_result, int]:
+    fd, st = bp.create(root, path, flags, mode, uid, gid, parent, umask)
     return fd, st, aio.open_direct(fd) if want_direct else -1
 
 

@@ -60,6 +60,10 @@ class Operations(pyfuse3.Operations):
     # cachefs drops setuid/setgid bits itself where the kernel says so (write, truncate,
     # O_TRUNC open by a caller without CAP_FSETID); chown drops them in BACKING itself.
     enable_killpriv_v2 = True
+    # POSIX ACLs: the kernel checks them (they live on BACKING, read through getxattr), and
+    # with FUSE_CAP_DONT_MASK (deps/passthrough's acl-dont-mask patch) new nodes get the
+    # parent's default ACL instead of the umask (backingpaths.creating_under).
+    enable_acl = True
 
     def __init__(self, cfg: Config, cache: Cache, inodes: InodeTable, control_path: str):
         super().__init__()
@@ -216,14 +220,14 @@ class Operations(pyfuse3.Operations):
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self._path(parent_inode)
         path = self._child(parent_inode, name)
-        st = await self._ns.mknod(path, mode, rdev, ctx.uid, ctx.gid, parent)
+        st = await self._ns.mknod(path, mode, rdev, ctx.uid, ctx.gid, parent, ctx.umask)
         return self._entry(parent_inode, name, st)
 
     @_errno_mapped
     async def mkdir(self, parent_inode, name, mode, ctx):
         parent = self._path(parent_inode)
         path = self._child(parent_inode, name)
-        st = await self._ns.mkdir(path, mode, ctx.uid, ctx.gid, parent)
+        st = await self._ns.mkdir(path, mode, ctx.uid, ctx.gid, parent, ctx.umask)
         return self._entry(parent_inode, name, st)
 
     @_errno_mapped
@@ -332,7 +336,7 @@ class Operations(pyfuse3.Operations):
         await self._fds.wait_for_fds()
         fh = self._fh()
         of, st = await self._cache.create(fh, path, flags, mode,
-                                          ctx.uid, ctx.gid, parent,
+                                          ctx.uid, ctx.gid, ctx.umask, parent,
                                           lambda st: self._inodes.remember(parent_inode,
                                                                            name, st))
         self._fds.add(of)

@@ -76,14 +76,14 @@ class Namespace:
         return await self._backing.read_call("readlink", bp.readlink, self._root, path)
 
     async def mknod(self, path: bytes, mode: int, rdev: int, uid: int, gid: int,
-                    parent: bytes) -> os.stat_result:
+                    parent: bytes, umask: int) -> os.stat_result:
         return await self._backing.write_call(bp.mknod, self._root, path, mode, rdev, uid,
-                                              gid, parent)
+                                              gid, parent, umask)
 
-    async def mkdir(self, path: bytes, mode: int, uid: int, gid: int, parent: bytes
-                    ) -> os.stat_result:
+    async def mkdir(self, path: bytes, mode: int, uid: int, gid: int, parent: bytes,
+                    umask: int) -> os.stat_result:
         return await self._backing.write_call(bp.mkdir, self._root, path, mode, uid, gid,
-                                              parent)
+                                              parent, umask)
 
     async def symlink(self, target: bytes, path: bytes, uid: int, gid: int, parent: bytes
                       ) -> os.stat_result:

@@ -74,3 +74,37 @@ def test_create_never_takes_over_a_file_someone_else_made_meanwhile(tmp_path):
             assert (st.st_uid, st.st_gid) == (12345, 12345)
     finally:
         os.close(root)
+
+
+def test_nodes_are_made_under_the_callers_umask_in_that_thread_only(tmp_path):
+    """creating_under: the caller's umask applies to the node (BACKING's rule), in the
+    thread that makes it; the process's umask (the daemon's, and other threads') stays."""
+    import threading
+    root = bp.open_root(str(tmp_path))
+    old = os.umask(0)
+    try:
+        seen = []
+        go, hold = threading.Event(), threading.Event()
+
+        def maker():
+            with bp.creating_under(0o077):
+                go.set()
+                hold.wait(5)                    # the main thread looks meanwhile
+                fd, _ = bp.create(root, b"f", os.O_RDWR | os.O_CLOEXEC, 0o666, -1, -1, b".")
+            os.close(fd)
+            bp.mkdir(root, b"d", 0o777, -1, -1, b".", 0o027)
+            bp.mknod(root, b"p", 0o10666, 0, -1, -1, b".", 0o002)
+            seen.append(os.umask(0o022))
+            os.umask(seen[-1])
+        t = threading.Thread(target=maker)
+        t.start()
+        assert go.wait(5)
+        assert os.umask(0) == 0                 # another thread's umask is not ours
+        hold.set()
+        t.join(10)
+        assert seen == [0]                      # and that thread's own is back to the daemon's
+        modes = {n: os.stat(tmp_path / n).st_mode & 0o777 for n in ("f", "d", "p")}
+        assert modes == {"f": 0o600, "d": 0o750, "p": 0o664}
+    finally:
+        os.umask(old)
+        os.close(root)
