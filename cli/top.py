@@ -19,7 +19,7 @@ from cachefs.errors import UserError
 from cachefs.health import summary as health_summary
 
 from . import client
-from .ctl import latency_rows, passthrough_summary, window_rows
+from .statsview import latency_rows, passthrough_summary, window_rows
 
 DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error")
 ERRORS = (("BACKING", "backing_errors"), ("cache", "cache_errors"),
