@@ -15,7 +15,10 @@ _scratch_cleanup() {
     for m in "${SCRATCH_MOUNTS[@]}"; do
         grep -q " $D/$m fuse" /proc/mounts && { fusermount3 -u "$D/$m" || fusermount3 -u -z "$D/$m"; }
     done
-    sleep 1; rm -rf "$D"
+    # fusermount3 -u returns before a daemon has exited: wait for them (they still write
+    # their cache directories under $D), or the removal races them and leaves files behind.
+    for _ in $(seq 60); do pgrep -f -- "$D/" > /dev/null || break; sleep 0.5; done
+    rm -rf "$D"
 }
 
 fio_iops() {        # fio_iops FILE: prints the IOPS (reads and writes together)
