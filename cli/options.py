@@ -23,7 +23,7 @@ _O_NAMES = {
 }
 # mount(8) and systemd options that mean nothing to FUSE.
 _IGNORED = {"defaults", "rw", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
-            "exec", "suid", "dev", "async"}
+            "exec", "async"}
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:

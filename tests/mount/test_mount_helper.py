@@ -1,6 +1,7 @@
 """`mount.cachefs` (the fstab form): options in -o, background daemon, clean umount."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -58,3 +59,40 @@ def test_unknown_eviction_policy_is_a_sentence(tmp_path):
     assert out.returncode == 2
     assert "eviction policy 'lru' is not one of s3-fifo, clock" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _mount_flags(mnt) -> set[str]:
+    for line in open("/proc/mounts"):
+        fields = line.split()
+        if fields[1] == str(mnt):
+            return set(fields[3].split(","))
+    raise AssertionError(f"{mnt} is not mounted")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="device nodes need root")
+def test_nosuid_nodev_by_default_and_suid_dev_when_asked(tmp_path):
+    """Like other FUSE mounts, nosuid and nodev unless `-o suid,dev` asks (fstab too); the
+    two options were swallowed as meaning nothing to FUSE, so a device node on the mount
+    could never be used, whatever the options."""
+    backing, mnt = tmp_path / "b", tmp_path / "m"
+    for d in (backing, mnt):
+        d.mkdir()
+    os.mknod(backing / "null", 0o20666, os.makedev(1, 3))
+    for opts, dev in ((f"cache_dir={tmp_path / 'c1'}", False),
+                      (f"cache_dir={tmp_path / 'c2'},suid,dev", True)):
+        try:
+            out = subprocess.run([*HELPER, str(backing), str(mnt), "-o", opts],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            flags = _mount_flags(mnt)
+            assert ("nodev" not in flags and "nosuid" not in flags) == dev, flags
+            if dev:
+                (mnt / "null").write_bytes(b"into the null device")
+            else:
+                with pytest.raises(PermissionError):
+                    (mnt / "null").write_bytes(b"x")
+            out = subprocess.run([*CACHEFS, "umount", str(mnt)], capture_output=True,
+                                 text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+        finally:
+            force_unmount(mnt)
