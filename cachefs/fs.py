@@ -72,7 +72,7 @@ class Operations(pyfuse3.Operations):
         self._ns = cache.namespace                # BACKING's namespace, through the engine
         self._inodes = inodes
         self._control_path = os.fsencode(control_path)
-        self._dirs: dict[int, tuple[int, list]] = {}
+        self._dirs: dict[int, tuple[int, list, int]] = {}   # fh -> (ino, snapshot, dir_seq)
         # Directories removed while the kernel still knows them (a process's cwd): their last
         # attributes, so stat(".") and opendir(".") work there as on Linux (nlink 0, empty).
         self._removed_dirs: dict[int, os.stat_result] = {}
@@ -408,23 +408,33 @@ class Operations(pyfuse3.Operations):
         if inode not in self._removed_dirs:     # (those are listed empty)
             self._path(inode)                   # ENOENT for a directory no longer known
         fh = self._fh()
-        self._dirs[fh] = (inode, [])
+        self._dirs[fh] = (inode, [], 0)
         return fh
 
     async def readdir(self, fh, start_id, token):
-        parent, entries = self._dirs[fh]
+        parent, entries, seq = self._dirs[fh]
         if start_id == 0:
             # Listed from the start (first read, or after rewinddir): the entries as they are
             # now, as on a plain directory; later reads continue this snapshot.
+            seq = self._inodes.dir_seq(parent)
             try:
                 entries = await self._ns.scandir(self._inodes.path(parent))
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     raise to_fuse_error(exc) from None
                 entries = []                    # removed meanwhile: empty, as on Linux
-            self._dirs[fh] = (parent, entries)
+            self._dirs[fh] = (parent, entries, seq)
+        # An entry of the snapshot that cachefs renamed or unlinked since must not be
+        # remembered: its name would lead to whatever took that name. Then each is looked at
+        # again (gone: left out; replaced: the new node).
+        recheck = seq != self._inodes.dir_seq(parent)
         for i in range(start_id, len(entries)):
             name, st = entries[i]
+            if recheck:
+                try:
+                    st = await self._ns.lstat(self._inodes.child_path(parent, name))
+                except OSError:
+                    continue
             ino = self._inodes.ino_of(st)
             if not pyfuse3.readdir_reply(token, name, self._attr(st, ino), i + 1):
                 break

@@ -16,13 +16,14 @@ ROOT_INODE = 1
 
 
 class Inode:
-    __slots__ = ("ino", "names", "lookups", "is_dir")
+    __slots__ = ("ino", "names", "lookups", "is_dir", "seq")
 
     def __init__(self, ino: int, is_dir: bool):
         self.ino = ino
         self.names: list[tuple[int, bytes]] = []
         self.lookups = 0
         self.is_dir = is_dir
+        self.seq = 0            # a directory: bumped when one of its entries goes (dir_seq)
 
 
 class InodeTable:
@@ -93,7 +94,16 @@ class InodeTable:
                     del self._entries[entry]
             del self._inodes[ino]
 
+    def dir_seq(self, parent: int) -> int:
+        """Changes when an entry of directory `parent` is unlinked or renamed: a listing
+        taken before may name what is no longer there (fs.Operations.readdir)."""
+        node = self._inodes.get(parent)
+        return node.seq if node is not None else -1
+
     def _drop_entry(self, entry: tuple[int, bytes]) -> int | None:
+        parent = self._inodes.get(entry[0])
+        if parent is not None:
+            parent.seq += 1
         ino = self._entries.pop(entry, None)
         node = self._inodes.get(ino) if ino is not None else None
         if node is not None and entry in node.names:

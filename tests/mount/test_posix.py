@@ -528,6 +528,39 @@ def test_removed_directory_that_is_a_cwd(mounted, tmp_path):
     mounted.path("d").mkdir()                       # the name again: a new directory
     assert os.stat(mounted.path("d")).st_nlink == 2 and os.listdir(mounted.path("d")) == []
 
+
+def test_a_listing_continued_after_a_rename_does_not_misroute(mounted):
+    """A directory listing spans several readdir requests; its entries are a snapshot. A
+    directory renamed (and its old name taken by a new one) while the listing goes on must
+    not get its old name back from the rest of the listing: operations inside the renamed
+    directory, by its inode, went to the new directory of that name."""
+    m = mounted
+    top = m.path("big")
+    top.mkdir()
+    for i in range(1500):                           # long names: many readdir requests
+        (top / (f"d{i:04d}_" + "x" * 100)).mkdir()
+    victim = os.listdir(top)[-1]                    # returned by the last requests
+    (top / victim / "orig").write_bytes(b"orig")
+    it = os.scandir(top)
+    next(it)                                        # the listing has started
+    os.rename(top / victim, top / "moved")
+    dfd = os.open(top / "moved", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (top / victim).mkdir()                      # a new directory takes the old name
+        for _ in it:                                # the listing goes on
+            pass
+        it.close()
+        fd = os.open("new_file", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=dfd)
+        os.write(fd, b"into moved")
+        os.close(fd)
+        assert sorted(os.listdir(dfd)) == ["new_file", "orig"]
+    finally:
+        os.close(dfd)
+    assert sorted(os.listdir(top / "moved")) == ["new_file", "orig"]
+    assert os.listdir(top / victim) == []
+    assert sorted(os.listdir(m.backing / "big" / "moved")) == ["new_file", "orig"]
+    assert os.listdir(m.backing / "big" / victim) == []
+
 def test_hard_link(mounted):
     m = mounted
     m.path("a").write_bytes(b"hello world")
