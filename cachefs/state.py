@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from time import clock_gettime_ns
+from time import time_ns
 
 import trio
 
@@ -34,7 +34,6 @@ from .store import MetadataStore
 log = logging.getLogger("cachefs.cache")
 
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
-CLOCK_REALTIME_COARSE = 5      # linux/time.h: the clock the kernel stamps files with
 MAPPED = "mapped:"           # meta key prefix: a held file mapped shared and writable
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
@@ -165,8 +164,9 @@ class CacheState:
 
     def written_now(self, cf: CachedFile) -> None:
         """Write-back: a write (or truncate) of `cf` was taken now: the mtime BACKING gets
-        after the destage is this one (the kernel's coarse clock, as it stamps files)."""
-        now = clock_gettime_ns(CLOCK_REALTIME_COARSE)
+        after the destage is this one. The fine clock, as `touch` through the mount sets
+        (pyfuse3 for UTIME_NOW): a write right after a touch must not look older (make)."""
+        now = time_ns()
         times = cf.times
         if times is None or times[1] != now:
             self.set_times(cf, (KEEP_ATIME if times is None else times[0], now))

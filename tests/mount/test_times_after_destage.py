@@ -109,3 +109,27 @@ def test_written_files_keep_the_mtime_of_their_last_write(make_mount, tmp_path, 
         (tmp_path / "Makefile").write_text(f"{m.mnt}/out: {m.mnt}/src\n\tcp $< $@\n")
         q = subprocess.run(["make", "-q", "-f", str(tmp_path / "Makefile")])
         assert q.returncode == 1, "make takes out for up to date with src"
+
+
+def test_a_write_right_after_a_touch_is_not_older(make_mount):
+    """`touch stamp` then a write to `out`: out's mtime is never older than the stamp's (on
+    the mount and on BACKING after the destage). With the write times on a coarser clock than
+    touch's, it was older in most rounds, and make would skip a rebuild."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600", "--attr-timeout", "0")
+    stamp, out = m.path("stamp"), m.path("out")
+    stamp.write_bytes(b"")
+    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        older = []
+        for i in range(100):
+            os.utime(stamp)
+            os.pwrite(fd, b"%d" % i, 0)
+            s, o = os.stat(stamp).st_mtime_ns, os.stat(out).st_mtime_ns
+            if o < s:
+                older.append((i, s - o))
+        assert not older, f"out older than stamp in {len(older)} of 100 rounds: {older[:5]}"
+        final = os.stat(out).st_mtime_ns
+    finally:
+        os.close(fd)
+    ctl_flush(m)
+    assert os.stat(m.backing / "out").st_mtime_ns == final
