@@ -85,7 +85,24 @@ CREATE TABLE IF NOT EXISTS pins (
 
 
 class CorruptStore(UserError):
-    """The database cannot be read (garbage, truncated inside, not SQLite)."""
+    """The database cannot be read (garbage, truncated inside, not SQLite), or its dirty data
+    cannot be BACKING's (`_dirty_elsewhere`)."""
+
+
+def _dirty_elsewhere(db: sqlite3.Connection, backing_real: str, root: os.stat_result
+                     ) -> str | None:
+    """A sentence if the cache holds dirty data and BACKING's root is not the directory it
+    was (another inode: BACKING's file system is not mounted over it, or another one is).
+    Destaging there would find none of the files and discard their dirty data. The device
+    number is not compared: an NFS mount gets a new one at every mount."""
+    row = db.execute("SELECT value FROM meta WHERE key='backing_dev'").fetchone()
+    if row is None or row[0].rpartition(":")[2] == str(root.st_ino):
+        return None
+    if db.execute("SELECT 1 FROM extents WHERE dirty != 0 LIMIT 1").fetchone() is None:
+        return None
+    return (f"BACKING {backing_real} is not the directory this cache's dirty write-back data "
+            f"belongs to (its root was inode {row[0].rpartition(':')[2]}, it is inode "
+            f"{root.st_ino} now): is BACKING's file system mounted?")
 
 
 class MetadataStore:
@@ -183,6 +200,11 @@ class MetadataStore:
             if foreign is not None:
                 db.close()
                 raise UserError(foreign)
+            if version >= 1:
+                elsewhere = _dirty_elsewhere(db, backing_real, backing_root)
+                if elsewhere is not None:
+                    db.close()
+                    raise CorruptStore(elsewhere)
             if version < SCHEMA_VERSION:
                 db.executescript(_SCHEMA)
             if version == 1:

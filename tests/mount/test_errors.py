@@ -635,3 +635,37 @@ def test_background_mount_and_umount(env):
     res = run([*CACHEFS, "umount", str(env.mnt)])             # a second umount: a sentence
     assert_sentence(res, str(env.mnt), "not a cachefs mount")
 
+
+
+def test_dirty_data_is_kept_when_backing_is_not_mounted(make_mount, tmp_path):
+    """Write-back dirty data, a clean unmount, then BACKING's file system is not mounted
+    (its empty mountpoint is there instead): the mount is refused with a sentence. It was
+    accepted, and the destager found none of the files and discarded their fsync'd data."""
+    real, b = tmp_path / "real", tmp_path / "b"
+    real.mkdir()
+    b.mkdir()
+    subprocess.run(["mount", "--bind", str(real), str(b)], check=True)
+    try:
+        m = make_mount("--mode", "write-back", "--max-dirty-age", "600", backing=b)
+        data = os.urandom(300_000)
+        with open(m.path("f"), "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        m.stop()
+        assert (real / "f").stat().st_size == 0 or (real / "f").read_bytes() != data
+    finally:
+        subprocess.run(["umount", str(b)], check=True)
+    out = subprocess.run([*CACHEFS, "mount", "--cache-dir", str(m.cache), "--mode",
+                          "write-back", str(b), str(m.mnt)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and not is_mounted(m.mnt)
+    assert "is BACKING's file system mounted?" in out.stderr and "Traceback" not in out.stderr
+    subprocess.run(["mount", "--bind", str(real), str(b)], check=True)
+    try:
+        m.start()
+        assert m.path("f").read_bytes() == data
+        subprocess.run([*CTL, "flush", str(m.mnt)], check=True, capture_output=True, timeout=60)
+        assert (real / "f").read_bytes() == data
+        m.stop()
+    finally:
+        subprocess.run(["umount", str(b)], check=True)
