@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import sqlite3
 import struct
 from typing import Any, Awaitable, Callable
 
@@ -128,6 +129,13 @@ class ControlServer:
                 error = str(exc)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
+            except (OSError, sqlite3.Error) as exc:
+                # The SSD or the database failed under the command (a full cache file system
+                # at a flush's durable commit): the command fails and says why; the mount
+                # goes on (it took the daemon down).
+                log.error("%s failed: %s", request["cmd"], exc)
+                answer = None
+                error = f"{request['cmd']} failed: {exc}"
             if answer is None:
                 try:
                     await _send(stream, {"ok": False, "error": error})

@@ -1,0 +1,44 @@
+"""The control channel's server (cachefs/control.py): a command that fails on an SSD or
+database error answers with the error and the server goes on (it ended the daemon: a flush
+whose durable commit met a full cache file system unmounted everything)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+
+import trio
+
+from cachefs.control import ControlServer
+
+
+async def _ask(path: str, cmd: str) -> dict:
+    def call() -> dict:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
+            return json.loads(s.makefile().readline())
+    return await trio.to_thread.run_sync(call)
+
+
+async def test_a_command_failing_on_the_ssd_answers_and_the_server_goes_on(tmp_path):
+    async def full(request, progress):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    async def eio(request, progress):
+        raise OSError(5, "Input/output error")
+
+    async def stats(request, progress):
+        return {"fine": 1}
+
+    path = str(tmp_path / "control.sock")
+    server = ControlServer(path, {"flush": full, "drop": eio, "stats": stats})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        a = await _ask(path, "flush")
+        assert a == {"ok": False, "error": "flush failed: database or disk is full"}
+        b = await _ask(path, "drop")
+        assert b["ok"] is False and "Input/output error" in b["error"]
+        assert await _ask(path, "stats") == {"ok": True, "fine": 1}
+        nursery.cancel_scope.cancel()
