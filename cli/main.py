@@ -153,7 +153,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
         stats = client.request(mountpoint, "stats", timeout_s=10)["stats"]
         pid = stats["pid"]
     except UserError:
-        stats, pid = None, None         # a dead daemon: unmounting is still right
+        # A dead daemon (unmounting is still right), or one that cannot answer through the
+        # mount (its BACKING hangs): then it is found by its command line, to be waited for.
+        stats, pid = None, _daemon_pid(mountpoint)
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
         raise UserError(f"unmounting {mountpoint} failed: {res.stderr.strip()}")
@@ -165,6 +167,26 @@ def cmd_umount(args: argparse.Namespace) -> int:
               f"the SSD in {stats['cache_dir']}; they are destaged at the next mount "
               "(use --flush to destage before unmounting).")
     return 0
+
+
+def _daemon_pid(mountpoint: str) -> int | None:
+    """The pid of the cachefs daemon serving `mountpoint`, from /proc (its command line
+    names the mountpoint: absolute, or relative to its working directory), or None."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")[:-1]
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        if b"mount" not in argv or not any(b"cachefs" in a for a in argv[:3]):
+            continue
+        last = os.fsdecode(argv[-1])
+        if os.path.normpath(os.path.join(cwd, last)) == mountpoint:
+            return int(entry)
+    return None
 
 
 def _is_cachefs_mount(path: str) -> bool:

@@ -29,3 +29,23 @@ def test_corrupt_database_exits_2(tmp_path, fg):
         assert not is_mounted(mnt)
     finally:
         force_unmount(mnt)
+
+
+
+def test_umount_waits_for_a_daemon_that_cannot_answer(make_mount):
+    """A daemon that cannot answer `stats` (its control socket is gone here; through a mount
+    whose BACKING hangs, the request times out the same way): `cachefs umount` still finds
+    the daemon by its command line and waits for it to finish. It returned 0 at once, the
+    daemon still persisting and holding the cache directory."""
+    import os
+    from cachefs.control import CONTROL_XATTR
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600")
+    for i in range(200):
+        m.path(f"f{i}").write_bytes(os.urandom(20_000))
+    os.unlink(os.getxattr(m.mnt, CONTROL_XATTR))
+    out = subprocess.run([*CACHEFS, "umount", str(m.mnt)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert m.proc.poll() is not None, "umount returned before the daemon finished"
+    assert m.proc.wait() == 0
+    m.proc = None
