@@ -89,6 +89,15 @@ class CorruptStore(UserError):
     cannot be BACKING's (`_dirty_elsewhere`)."""
 
 
+def _read_tables(db: sqlite3.Connection) -> tuple[dict, list]:
+    """The files and extents rows (MetadataStore.load)."""
+    files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
+             for ino, size, mt, ct, path, lsize in db.execute(
+                 "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
+    extents = list(db.execute("SELECT ino, ext, valid, dirty, summed, sums FROM extents"))
+    return files, extents
+
+
 def _dirty_elsewhere(db: sqlite3.Connection, backing_real: str, root: os.stat_result
                      ) -> str | None:
     """A sentence if the cache holds dirty data and BACKING's root is not the directory it
@@ -112,6 +121,7 @@ class MetadataStore:
         self.cache_dir = cache_dir
         self.path = os.path.join(cache_dir, "cachefs.db")
         self._db: sqlite3.Connection | None = None
+        self._loaded: tuple[dict, list] | None = None   # the rows read at open (load)
         self._dropped: set[int] = set()                # files whose rows go first
         self._files: dict[int, tuple[int, int, int, bytes | None, int]] = {}
         self._extents: dict[tuple[int, int], tuple | None] = {}
@@ -217,6 +227,10 @@ class MetadataStore:
             if version < SCHEMA_VERSION:
                 db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             meta = dict(db.execute("SELECT key, value FROM meta"))
+            # Read every row now, before anything is written: damage anywhere in the tables
+            # is found here, where --discard-dirty can still set the database aside (load()
+            # hands these rows on).
+            self._loaded = _read_tables(db)
         except sqlite3.DatabaseError as exc:
             if db is not None:
                 db.close()
@@ -288,18 +302,16 @@ class MetadataStore:
                             list[tuple]]:
         """All files (ino -> (size, mtime_ns, ctime_ns, path, lsize)) and extents
         (ino, ext, valid, dirty, summed, sums)."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None:
+            return loaded                       # read (and so checked) at open
         try:
             with self._lock:
-                files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
-                         for ino, size, mt, ct, path, lsize in self._db.execute(
-                             "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
-                extents = list(self._db.execute(
-                    "SELECT ino, ext, valid, dirty, summed, sums FROM extents"))
+                return _read_tables(self._db)
         except sqlite3.DatabaseError as exc:
             raise UserError(f"the metadata database {self.path} is corrupt ({exc}); move the "
                             "cache directory away to start a cold cache (dirty write-back "
                             "data in it needs recovery by hand).") from None
-        return files, extents
 
     # -- pins (operator commands: written at once, not batched) ---------------------------
 

@@ -669,3 +669,35 @@ def test_dirty_data_is_kept_when_backing_is_not_mounted(make_mount, tmp_path):
         m.stop()
     finally:
         subprocess.run(["umount", str(b)], check=True)
+
+
+def test_damage_inside_the_database_is_found_before_anything_is_written(make_mount):
+    """A damaged page of the extents table: the mount is refused with a sentence and leaves
+    the database as it was (it marked it not cleanly stopped first), and --discard-dirty
+    starts cold (it was refused the same way: the damage was met after the database had
+    been taken for sound)."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600")
+    data = {f"f{i}": os.urandom(70_000) for i in range(60)}
+    for name, b in data.items():
+        m.path(name).write_bytes(b)
+    m.stop()
+    db_path = m.cache / "cachefs.db"
+    db = sqlite3.connect(db_path)
+    page = db.execute("PRAGMA page_size").fetchone()[0]
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name='extents'").fetchone()[0]
+    db.close()
+    with open(db_path, "r+b") as f:
+        f.seek((root - 1) * page)
+        f.write(b"\xa5" * page)
+    out = subprocess.run([*CACHEFS, "mount", "--cache-dir", str(m.cache), str(m.backing),
+                          str(m.mnt)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and not is_mounted(m.mnt)
+    assert "corrupt" in out.stderr and "--discard-dirty" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    db = sqlite3.connect(db_path)
+    assert db.execute("SELECT value FROM meta WHERE key='clean'").fetchone()[0] == "1"
+    db.close()
+    m.args.append("--discard-dirty")
+    m.start()
+    for name in data:
+        assert m.path(name).read_bytes() == (m.backing / name).read_bytes()
