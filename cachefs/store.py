@@ -454,6 +454,7 @@ class MetadataStore:
     def _commit_locked(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
         dropped, files, extents, meta = batch
         db = self._db
+        self._loaded = None                     # the rows read at open are old now
         if durable:
             db.execute("PRAGMA synchronous=FULL")
         try:
