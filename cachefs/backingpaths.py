@@ -185,6 +185,11 @@ def create(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int, pa
     try:
         if os.geteuid() == 0:       # chown_new through the descriptor: no path lookups
             os.fchown(fd, uid, _new_gid(root, parent, gid))
+            special = mode & (stat_mod.S_ISUID | stat_mod.S_ISGID)
+            if special:             # the chown cleared them; the caller's create keeps them
+                st = os.fstat(fd)
+                if st.st_mode & special != special:
+                    os.fchmod(fd, stat_mod.S_IMODE(st.st_mode) | special)
         return fd, os.fstat(fd)
     except BaseException:
         os.close(fd)

@@ -836,3 +836,33 @@ def test_permission_checks_for_other_users(mounted):
     assert (flushed(m) / "pub" / "secret").read_bytes() == b"root only"
     assert stat.S_IMODE(os.stat(m.backing / "pub" / "secret").st_mode) == 0o600
     assert sorted(os.listdir(m.backing / "pub")) == ["open", "secret"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creates as another user")
+def test_create_keeps_setuid_and_setgid_bits(mounted, tmp_path):
+    """open(O_CREAT) with 04755 or 02755 gives the file those bits, as on BACKING, for root
+    and for another user; cachefs's chown of the new file to its creator cleared them."""
+    script = ("import os, sys; os.umask(0o022); "
+              "[os.close(os.open(f'{sys.argv[1]}/{m:o}', os.O_CREAT | os.O_WRONLY, m)) "
+              "for m in (0o4755, 0o2755, 0o6755, 0o755)]; "
+              "print(sorted(f'{n} {os.stat(sys.argv[1] + \"/\" + n).st_mode:o}' "
+              "for n in os.listdir(sys.argv[1])))")
+    python = "/usr/bin/python3"                     # one the other user may run
+    if not os.path.exists(python):
+        pytest.skip("no /usr/bin/python3 for the other user")
+    for d in [tmp_path, *tmp_path.parents][:-1]:     # pytest's directories are 0700
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
+    outs = []
+    for top in (tmp_path / "plain", mounted.mnt):
+        top.mkdir(exist_ok=True)
+        for who, kw in (("root", {}), ("nobody", dict(user=65534, group=65534,
+                                                       extra_groups=[]))):
+            d = top / who
+            d.mkdir()
+            os.chmod(d, 0o777)
+            res = subprocess.run([python, "-c", script, str(d)], capture_output=True,
+                                 text=True, timeout=30, **kw)
+            assert res.returncode == 0, res.stderr
+            outs.append(res.stdout)
+    assert outs[2:] == outs[:2]
+    assert "4755 104755" in outs[0] and "2755 102755" in outs[1]
