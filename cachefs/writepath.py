@@ -21,7 +21,7 @@ from .cachefiles import pwrite_all
 from .coherence import Coherence
 from .config import BLK_SIZE, EXT_SIZE
 from .extentmap import spans
-from .extents import BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, block_mask, covered_mask, runs
+from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask, runs
 from .heldwrites import HeldWrites
 from .hit import OpenFile
 from .state import CacheState
@@ -390,8 +390,7 @@ class WritePath(HeldWrites):
         async with self._s.file_lock(cf):
             st = await self._truncate_locked(cf, size, path, fd)
         if cf.dirty_exts:                       # a later destage must not move the mtime
-            self._s.set_times(cf, (KEEP_ATIME if cf.times is None else cf.times[0],
-                                   st.st_mtime_ns))
+            self._s.written_now(cf)             # (the writes' clock: never before them)
         return st
 
     def _trim(self, cf: CachedFile, size: int, cut_file: bool = True) -> None:
