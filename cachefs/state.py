@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from time import time_ns
 
 import trio
 
@@ -24,7 +23,8 @@ from .cachefiles import CacheFiles, pwrite_all
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
 from .extentmap import ExtentMap
-from .extents import BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent, block_mask, identity, runs
+from .extents import (BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent, block_mask,
+                      identity, runs)
 from .integrity import Reports, lost_blocks
 from .persist import NO_SPACE, Persister
 from .policy import Admission, Clock, S3Fifo
@@ -166,7 +166,7 @@ class CacheState:
         """Write-back: a write (or truncate) of `cf` was taken now: the mtime BACKING gets
         after the destage is this one. The fine clock, as `touch` through the mount sets
         (pyfuse3 for UTIME_NOW): a write right after a touch must not look older (make)."""
-        now = time_ns()
+        now = time.time_ns()
         times = cf.times
         if times is None or times[1] != now:
             self.set_times(cf, (KEEP_ATIME if times is None else times[0], now))

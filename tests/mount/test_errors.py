@@ -526,18 +526,23 @@ def test_corrupt_database_garbage(make_mount, env, fg):
     assert (m.backing / "f").stat().st_size == 256 * 1024      # BACKING untouched
 
 
-@BOTH
-def test_corrupt_database_damaged_table_page(make_mount, env, fg):
-    """A valid header and schema, but the page holding the extent table is garbage."""
-    m = _stopped_cache(make_mount)
-    db = m.cache / "cachefs.db"
+
+def damage_extents_page(db: Path, garbage) -> None:
+    """Overwrite the page holding the root of the extents table with garbage(page size)."""
     con = sqlite3.connect(db)
     page_size = con.execute("PRAGMA page_size").fetchone()[0]
     root = con.execute("SELECT rootpage FROM sqlite_master WHERE name='extents'").fetchone()[0]
     con.close()
     with open(db, "r+b") as f:
         f.seek((root - 1) * page_size)
-        f.write(os.urandom(page_size))
+        f.write(garbage(page_size))
+
+@BOTH
+def test_corrupt_database_damaged_table_page(make_mount, env, fg):
+    """A valid header and schema, but the page holding the extent table is garbage."""
+    m = _stopped_cache(make_mount)
+    db = m.cache / "cachefs.db"
+    damage_extents_page(db, os.urandom)
     res = env.mount(backing=m.backing, cache=m.cache, fg=fg)
     assert_sentence(res, str(db), fg=fg)
     env.assert_nothing_left(cache=m.cache)
@@ -682,13 +687,7 @@ def test_damage_inside_the_database_is_found_before_anything_is_written(make_mou
         m.path(name).write_bytes(b)
     m.stop()
     db_path = m.cache / "cachefs.db"
-    db = sqlite3.connect(db_path)
-    page = db.execute("PRAGMA page_size").fetchone()[0]
-    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name='extents'").fetchone()[0]
-    db.close()
-    with open(db_path, "r+b") as f:
-        f.seek((root - 1) * page)
-        f.write(b"\xa5" * page)
+    damage_extents_page(db_path, lambda n: b"\xa5" * n)
     out = subprocess.run([*CACHEFS, "mount", "--cache-dir", str(m.cache), str(m.backing),
                           str(m.mnt)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and not is_mounted(m.mnt)
