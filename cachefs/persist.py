@@ -24,11 +24,10 @@ import trio
 
 from .cachefiles import CacheFiles, fdatasync_paths
 from .stats import Stats
-from .store import MetadataStore
+from .store import MetadataStore, is_full
 
 log = logging.getLogger("cachefs.persist")
 
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 PUNCH_CHUNK = 256          # holes punched per thread call (~256 fallocate calls, ~ms)
 
 
@@ -39,13 +38,6 @@ class Space(Protocol):
     def out_of_space(self) -> None: ...
     def space_released(self) -> None: ...
     def regrow_pool(self) -> None: ...
-
-
-def is_full(exc: Exception) -> bool:
-    """An error that means the cache filesystem is out of space."""
-    if isinstance(exc, OSError):
-        return exc.errno in NO_SPACE
-    return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
 
 
 class Persister:

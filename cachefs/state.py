@@ -26,10 +26,10 @@ from .extentmap import ExtentMap
 from .extents import (BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent, block_mask,
                       identity, runs)
 from .integrity import Reports, lost_blocks
-from .persist import NO_SPACE, Persister
+from .persist import Persister
 from .policy import Admission, Clock, S3Fifo
 from .stats import Stats
-from .store import MetadataStore
+from .store import NO_SPACE, MetadataStore
 
 log = logging.getLogger("cachefs.cache")
 

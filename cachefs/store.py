@@ -12,6 +12,7 @@ the commit that forgets it is durable.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -27,6 +28,7 @@ log = logging.getLogger("cachefs.store")
 
 SCHEMA_VERSION = 4
 RESERVE_BYTES = 8 << 20         # see ensure_reserve()
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 # meta: key/value facts about this cache directory.
 #   backing      real path of the BACKING directory this cache belongs to
@@ -83,6 +85,13 @@ CREATE TABLE IF NOT EXISTS pins (
     ino INTEGER PRIMARY KEY, path BLOB NOT NULL, size INTEGER NOT NULL);
 """
 
+
+
+def is_full(exc: Exception) -> bool:
+    """An error that means the cache filesystem is out of space."""
+    if isinstance(exc, OSError):
+        return exc.errno in NO_SPACE
+    return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
 
 class CorruptStore(UserError):
     """The database cannot be read (garbage, truncated inside, not SQLite), or its dirty data
@@ -237,15 +246,42 @@ class MetadataStore:
             raise CorruptStore(f"the metadata database {self.path} is corrupt or unreadable "
                                f"({exc}).") from None
         clean = meta.get("clean", "1") == "1"
-        with db:
-            db.execute("BEGIN")
-            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
-                ("backing", backing_real),
-                ("backing_dev", f"{backing_root.st_dev}:{backing_root.st_ino}"),
-                ("clean", "0"),
-            ])
+
+        def mark_in_use() -> None:
+            with db:
+                db.execute("BEGIN")
+                db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
+                    ("backing", backing_real),
+                    ("backing_dev", f"{backing_root.st_dev}:{backing_root.st_ino}"),
+                    ("clean", "0"),
+                ])
+        try:
+            self._with_room(mark_in_use)
+        except sqlite3.Error as exc:
+            db.close()
+            if not is_full(exc):
+                raise CorruptStore(f"the metadata database {self.path} cannot be written "
+                                   f"({exc}).") from None
+            raise UserError(f"the cache filesystem holding {self.cache_dir} is full: the "
+                            "metadata database cannot be written. Free some space there and "
+                            "mount again (the cached data, and any write-back data not yet "
+                            "on BACKING, is kept).") from None
         self._db = db
         return clean
+
+    def _with_room(self, write):
+        """write(); if the cache filesystem is full, delete the reserve file (see
+        ensure_reserve) and try once more: the commits that keep the cache's promises (the
+        in-use mark, a clean close, the forgetting of evicted extents) must not fail while
+        the reserve could make room for them."""
+        try:
+            return write()
+        except (OSError, sqlite3.OperationalError) as exc:
+            if not is_full(exc) or not self.release_reserve():
+                raise
+            log.warning("the cache filesystem is full: the reserve file was released so "
+                        "that the metadata database can be written (%s)", exc)
+            return write()
 
     def _create_private(self) -> None:
         """Create the database file 0600 (or make an existing one 0600) before SQLite opens
@@ -488,13 +524,15 @@ class MetadataStore:
         if self._db is None:
             return
         self.journal.close()
-        if clean:
-            self.journal.clear()
-            with self._lock:
-                self._db.execute("PRAGMA synchronous=FULL")
-            self.set_meta("clean", "1")
-        with self._lock:
+        try:
             if clean:
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._db.close()
-            self._db = None
+                self.journal.clear()
+                with self._lock:
+                    self._db.execute("PRAGMA synchronous=FULL")
+                self._with_room(lambda: self.set_meta("clean", "1"))
+                with self._lock:
+                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            with self._lock:
+                self._db.close()
+                self._db = None

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CTL, wait_until, pread_aligned
+from tests.conftest import CACHEFS, CTL, wait_until, pread_aligned
 
 pytestmark = pytest.mark.fuse
 
@@ -88,3 +88,71 @@ def test_full_cache_filesystem_keeps_the_mount(make_mount, make_tmpfs, mode):
     m.stop()
     for name, data in model.items():
         assert (m.backing / name).read_bytes() == data, name
+
+
+
+def dirty_and_full(m, tiny_fs) -> bytes:
+    """4 MiB of fsync'd write-back data only in the cache, then a tenant fills the rest."""
+    data = os.urandom(4 * MiB)
+    fd = os.open(m.path("d"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert m.stats()["dirty_bytes"] >= 3 * MiB
+    fill_up(tiny_fs / "tenant")
+    return data
+
+
+def flushed_and_on_backing(m, data: bytes) -> None:
+    assert m.path("d").read_bytes() == data
+    out = subprocess.run([*CTL, "flush", str(m.mnt), "--timeout", "60"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    m.stop()
+    assert (m.backing / "d").read_bytes() == data
+
+
+@pytest.mark.parametrize("how", ["unmount", "kill"])
+def test_remount_on_a_full_cache_filesystem_keeps_dirty_data(make_mount, make_tmpfs, how):
+    """The daemon stops (cleanly, or by kill -9) while the cache filesystem is full and
+    starts again before any space is freed: the reserve file makes room for the database,
+    the mount comes up, reads serve the newest bytes and a flush puts them on BACKING.
+    (The remount failed with a traceback: the database's in-use mark did not fit.)"""
+    m = make_mount("--mode", "write-back", "--cache-size", "24M", "--dirty-high", "16M",
+                   "--dirty-low", "12M", "--max-dirty-age", "1000", "--sequential-cutoff", "0")
+    m.stop()
+    tiny_fs = make_tmpfs("32m")
+    m.cache = tiny_fs / "cache"
+    m.start()
+    data = dirty_and_full(m, tiny_fs)
+    if how == "kill":
+        m.kill()
+    else:
+        m.stop()                        # its close commits: the reserve makes room
+    m.start()
+    flushed_and_on_backing(m, data)
+
+
+def test_no_room_for_the_database_is_a_clear_error(make_mount, make_tmpfs):
+    """No reserve file and not a byte free: the mount is refused with a sentence and exit
+    2, the dirty data stays in the cache, and once space is freed the mount serves it."""
+    m = make_mount("--mode", "write-back", "--cache-size", "24M", "--dirty-high", "16M",
+                   "--dirty-low", "12M", "--max-dirty-age", "1000", "--sequential-cutoff", "0")
+    m.stop()
+    tiny_fs = make_tmpfs("32m")
+    m.cache = tiny_fs / "cache"
+    m.start()
+    data = dirty_and_full(m, tiny_fs)
+    m.kill()
+    os.unlink(m.cache / "reserve")
+    fill_up(tiny_fs / "tenant2")
+    res = subprocess.run([*CACHEFS, "mount", "-f", "--cache-dir", str(m.cache), *m.args,
+                          str(m.backing), str(m.mnt)], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "is full" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    os.unlink(tiny_fs / "tenant2")
+    m.start()
+    flushed_and_on_backing(m, data)
