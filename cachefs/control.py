@@ -10,6 +10,10 @@ Access: the socket is `control.sock` in the private cache directory (0600), or, 
 group, so the group's members can read statistics without root. Whoever can connect may run
 the read-only commands (READ_ONLY); every other command (flush, drop, pin, ...) changes state
 and is for root or the mount's owner only, checked on the peer's credentials (SO_PEERCRED).
+
+Finding it: the mount root answers the xattr CONTROL_XATTR with the socket's path, and a
+root daemon also links `/run/cachefs/mounts/<hash of the mountpoint>` to it (`register`), so
+that cachefs-ctl reaches a daemon whose mount root cannot answer (BACKING hung).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ CONTROL_XATTR = "user.cachefs.control"   # the mount root's xattr naming the soc
 MAX_REQUEST = 64 * 1024
 READ_ONLY = frozenset({"stats", "pid", "history"})   # commands anyone who can connect may run
 RUN_DIR = "/run/cachefs"                     # sockets shared with a --stats-group
+MOUNTS_DIR = os.path.join(RUN_DIR, "mounts")  # mountpoint -> socket links (register())
 
 
 def socket_path(cache_dir: str, stats_group: str | None) -> str:
@@ -46,6 +51,37 @@ def socket_path(cache_dir: str, stats_group: str | None) -> str:
     real = os.path.realpath(cache_dir)
     tag = hashlib.sha256(real.encode()).hexdigest()[:10]
     return os.path.join(RUN_DIR, f"{os.path.basename(real)[-40:]}-{tag}.sock")
+
+
+def registry_path(real_mountpoint: str) -> str:
+    """The link RUN_DIR/mounts/<hash of the mountpoint> -> the mount's control socket."""
+    tag = hashlib.sha256(os.fsencode(real_mountpoint)).hexdigest()[:16]
+    return os.path.join(MOUNTS_DIR, tag)
+
+
+def register(real_mountpoint: str, sock_path: str) -> str | None:
+    """Link the mountpoint to its control socket, so that cachefs-ctl finds the daemon
+    without a request to the mount (whose root waits on BACKING, which may hang). Only a
+    daemon that may write RUN_DIR does; the others are found through CONTROL_XATTR.
+    Returns the link, or None."""
+    link = registry_path(real_mountpoint)
+    tmp = f"{link}.{os.getpid()}"
+    try:
+        os.makedirs(MOUNTS_DIR, mode=0o755, exist_ok=True)
+        os.symlink(sock_path, tmp)
+        os.replace(tmp, link)
+        return link
+    except OSError:
+        return None
+
+
+def unregister(link: str, sock_path: str) -> None:
+    """Remove the link if it is still ours (a newer mount there may have replaced it)."""
+    try:
+        if os.readlink(link) == sock_path:
+            os.unlink(link)
+    except OSError:
+        pass
 
 
 def group_id(group: str) -> int:

@@ -28,7 +28,7 @@ from .backing import LOCAL_FS_TYPES, Backing, fs_type
 from .backingpaths import open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
-from .control import ControlServer, socket_path
+from .control import ControlServer, register, socket_path, unregister
 from .errors import CommandFailed, UserError
 from .fs import Operations
 from .health import BackingHealth
@@ -242,6 +242,7 @@ class Daemon:
             "unpin": self.unpin_cmd, "history": self.history_cmd, "verify": self.verify_cmd},
             group=self.cfg.stats_group)
         mounted = False
+        registered = None
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(control.run)
@@ -273,6 +274,7 @@ class Daemon:
                                     "says why above (an unknown -o option, a busy or "
                                     "unusable mountpoint).") from None
                 mounted = True
+                registered = register(real_mountpoint, self.control_path)
                 self.cache.modes.mounted(fuse_device(real_mountpoint))
                 if raise_max_background(real_mountpoint):
                     log.info("FUSE max_background raised to %d", MAX_BACKGROUND)
@@ -283,6 +285,8 @@ class Daemon:
                 await _fuse_main()
                 nursery.cancel_scope.cancel()
         finally:
+            if registered is not None:
+                unregister(registered, self.control_path)
             if mounted:
                 pyfuse3.close(unmount=True)
             clean = True

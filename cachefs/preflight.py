@@ -12,7 +12,9 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import stat
+import time
 
 from . import mounttable
 from .config import EXT_SIZE, Config, format_size
@@ -35,6 +37,7 @@ def _same(a: str, b: str) -> bool:
 def check_paths(cfg: Config) -> None:
     """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
     cfg.validate()
+    _answers_within(cfg.backing, cfg.backing_timeout_s)
     for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
         try:
             os.stat(path)
@@ -73,6 +76,31 @@ def check_paths(cfg: Config) -> None:
                         "the group that owns /dev/fuse.")
     if shutil.which("fusermount3") is None and os.geteuid() != 0:
         raise UserError("fusermount3 is not installed (apt-get install fuse3).")
+
+
+def _answers_within(backing: str, timeout_s: float) -> None:
+    """A stat and a statvfs of BACKING in a child process (the kernel may answer a stat
+    from its attribute cache; a statvfs of a network or FUSE filesystem always asks its
+    server): a hung server refuses the mount with a sentence after --backing-timeout
+    instead of blocking `cachefs mount`. A process, not a thread: a task waiting on a hung
+    FUSE server cannot be killed, and a thread of ours would keep us from exiting."""
+    pid = os.fork()
+    if pid == 0:                                        # the child: stat, then go
+        try:                      # no pipe of ours (a caller reading our output) stays open
+            os.closerange(0, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+            os.stat(backing)
+            os.statvfs(backing)
+        except BaseException:
+            pass                  # what is wrong with it is said by the checks that follow
+        os._exit(0)
+    deadline = time.monotonic() + timeout_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)     # it goes when its server answers, if ever
+            raise UserError(f"BACKING {backing} does not answer: a stat of it did not "
+                            f"finish within {timeout_s:g} s (--backing-timeout); mount "
+                            "again once its server answers.")
+        time.sleep(0.005)
 
 
 def _is_fuse_mount(path: str) -> bool:

@@ -9,8 +9,29 @@ import socket
 import stat
 from typing import Callable, Iterator
 
-from cachefs.control import CONTROL_XATTR
+from cachefs import mounttable
+from cachefs.control import CONTROL_XATTR, registry_path
 from cachefs.errors import UserError
+
+
+def control_paths(mountpoint: str) -> Iterator[str]:
+    """Where the control socket may be: the link a root daemon registered (no request to
+    the mount, whose root may be waiting on a hung BACKING), then the mount root's xattr."""
+    registered = _registered(mountpoint)
+    if registered is not None:
+        yield registered
+    yield control_path(mountpoint)
+
+
+def _registered(mountpoint: str) -> str | None:
+    where = os.path.abspath(mountpoint)
+    try:
+        on_top = [fstype for mp, fstype in mounttable.mounts() if mp == where]
+        if not on_top or on_top[-1] != "fuse.cachefs":
+            return None
+        return os.readlink(registry_path(where))
+    except OSError:
+        return None
 
 
 def control_path(mountpoint: str) -> str:
@@ -35,11 +56,9 @@ def control_path(mountpoint: str) -> str:
 def request(mountpoint: str, cmd: str, timeout_s: float | None = 30.0,
             on_progress: Callable[[dict], None] | None = None, **args) -> dict:
     """Send one command; returns the answer, calling on_progress for progress lines."""
-    path = control_path(mountpoint)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        with _connect(mountpoint) as s:
             s.settimeout(timeout_s)
-            s.connect(path)
             s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
             for msg in _lines(s):
                 if "progress" in msg:
@@ -60,6 +79,22 @@ def request(mountpoint: str, cmd: str, timeout_s: float | None = 30.0,
         raise UserError(f"cannot reach the cachefs daemon of {mountpoint}: "
                         f"{exc.strerror or exc}.") from None
     raise UserError(f"the cachefs daemon of {mountpoint} closed the connection.")
+
+
+def _connect(mountpoint: str) -> socket.socket:
+    error = None
+    for path in control_paths(mountpoint):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return s
+        except (ConnectionRefusedError, FileNotFoundError) as exc:   # a stale link: next
+            s.close()
+            error = exc
+        except BaseException:
+            s.close()
+            raise
+    raise error
 
 
 def _lines(s: socket.socket) -> Iterator[dict]:

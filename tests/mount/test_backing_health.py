@@ -3,9 +3,11 @@ get EIO, cached data keeps being served, the log says it once per burst and once
 recovery, and `cachefs-ctl stats` shows the state going failing -> ok."""
 
 import errno
+import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +18,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import CTL, pread_aligned, wait_until, warm  # noqa: E402
+from tests.conftest import (CACHEFS, CTL, force_unmount, pread_aligned,  # noqa: E402
+                            wait_until, warm)
 
 pytestmark = pytest.mark.fuse
 KiB = 1024
@@ -158,3 +161,52 @@ def test_a_hung_backing_write_shows_as_a_stall_then_ends(make_mount, slow_backin
     over = re.findall(r"BACKING stall over: no write has been waiting 1 s or longer", text)
     assert len(stalled) == 1 and len(over) == 1, text[-3000:]
     m.stop()
+
+
+def test_mount_over_a_hung_backing_is_refused_after_the_timeout(tmp_path, slow_backing):
+    """`cachefs mount` over a BACKING whose server does not answer returns with a sentence
+    and exit 2 after --backing-timeout (it blocked in a stat of BACKING forever)."""
+    src, slow, sf = slow_backing
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    sf.set(hang=1)
+    try:
+        t0 = time.monotonic()
+        res = subprocess.run([*CACHEFS, "mount", "--backing-timeout", "1", "--cache-dir",
+                              str(tmp_path / "cache"), str(slow), str(mnt)],
+                             capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        sf.set(hang=0)
+        force_unmount(mnt)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert f"BACKING {slow} does not answer" in res.stderr, res.stderr
+    assert took < 20, took
+
+
+def test_ctl_reaches_the_daemon_while_backing_hangs(make_mount, slow_backing):
+    """cachefs-ctl finds the daemon without asking the mount root (whose attributes come
+    from BACKING): with BACKING's server stopped, `stats` answers at once and shows the
+    failure (it said "is not a directory" once the root's getattr timed out)."""
+    src, slow, sf = slow_backing
+    m = make_mount("--backing-timeout", "1", "--attr-timeout", "0", backing=slow)
+    server = sf.stats()["pid"]
+    os.kill(server, signal.SIGSTOP)                 # a server that answers nothing at all
+    try:
+        def root_times_out():       # once BACKING's attributes are no longer cached
+            try:
+                os.stat(m.mnt)
+                return False
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+                return True
+        wait_until(root_times_out, 20, what="the root's getattr to time out")
+        for cmd in (["stats", str(m.mnt)], ["stats", str(m.mnt), "--json"]):
+            t0 = time.monotonic()
+            out = subprocess.run([*CTL, *cmd], capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            assert time.monotonic() - t0 < 5
+        assert json.loads(out.stdout)["backing_health"]["state"] == "failing"
+    finally:
+        os.kill(server, signal.SIGCONT)
+    m.stop(check=False)
