@@ -418,11 +418,12 @@ class Operations(pyfuse3.Operations):
             # now, as on a plain directory; later reads continue this snapshot.
             seq = self._inodes.dir_seq(parent)
             try:
-                entries = await self._ns.scandir(self._inodes.path(parent))
+                entries = [(b".", None), (b"..", None),
+                           *await self._ns.scandir(self._inodes.path(parent))]
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     raise to_fuse_error(exc) from None
-                entries = []                    # removed meanwhile: empty, as on Linux
+                entries = []            # removed meanwhile: empty, "." and ".." too, as on Linux
             self._dirs[fh] = (parent, entries, seq)
         # An entry of the snapshot that cachefs renamed or unlinked since must not be
         # remembered: its name would lead to whatever took that name. Then each is looked at
@@ -430,6 +431,11 @@ class Operations(pyfuse3.Operations):
         recheck = seq != self._inodes.dir_seq(parent)
         for i in range(start_id, len(entries)):
             name, st = entries[i]
+            if st is None:              # "." or "..": no lookup is counted for them
+                ino = parent if name == b"." else self._inodes.parent_of(parent)
+                if not pyfuse3.readdir_reply(token, name, _dot_attr(ino), i + 1):
+                    break
+                continue
             if recheck:
                 try:
                     st = await self._ns.lstat(self._inodes.child_path(parent, name))
@@ -515,3 +521,12 @@ def _file_info(a: Answer) -> pyfuse3.FileInfo:
                                 nonseekable=False, backing_id=a.backing_id)
     return pyfuse3.FileInfo(fh=a.fh, direct_io=a.direct_io, keep_cache=a.keep_cache,
                             nonseekable=False)
+
+
+def _dot_attr(ino: int) -> pyfuse3.EntryAttributes:
+    """The entry of "." or ".." in a listing: only its inode number and type are used (the
+    kernel links neither name from a listing)."""
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = ino
+    a.st_mode = stat_mod.S_IFDIR | 0o755
+    return a

@@ -56,6 +56,11 @@ class InodeTable:
                 raise OSError(errno.ELOOP, "inode path loop")
         return b"/".join(reversed(parts))
 
+    def parent_of(self, ino: int) -> int:
+        """The directory an inode is known in (the root for the root, or if unknown)."""
+        node = self._inodes.get(ino)
+        return node.names[0][0] if node is not None and node.names else ROOT_INODE
+
     def child_path(self, parent: int, name: bytes) -> bytes:
         if parent == ROOT_INODE:
             return name

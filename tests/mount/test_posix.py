@@ -866,3 +866,52 @@ def test_create_keeps_setuid_and_setgid_bits(mounted, tmp_path):
             outs.append(res.stdout)
     assert outs[2:] == outs[:2]
     assert "4755 104755" in outs[0] and "2755 102755" in outs[1]
+
+
+class _Dirent(ctypes.Structure):
+    _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64),
+                ("d_reclen", ctypes.c_ushort), ("d_type", ctypes.c_ubyte),
+                ("d_name", ctypes.c_char * 256)]
+
+
+def raw_listing(path) -> dict[bytes, tuple[int, int]]:
+    """Every entry readdir(3) returns, "." and ".." included: name -> (d_ino, d_type)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.opendir.restype = ctypes.c_void_p
+    libc.readdir.restype = ctypes.POINTER(_Dirent)
+    libc.readdir.argtypes = libc.closedir.argtypes = [ctypes.c_void_p]
+    d = libc.opendir(os.fsencode(path))
+    assert d, os.strerror(ctypes.get_errno())
+    out = {}
+    try:
+        while True:
+            ent = libc.readdir(d)
+            if not ent:
+                return out
+            out[ent.contents.d_name] = (ent.contents.d_ino, ent.contents.d_type)
+    finally:
+        libc.closedir(d)
+
+
+def test_listings_have_dot_and_dotdot(mounted):
+    """readdir returns "." and ".." as on BACKING (`ls -a` showed neither), with the
+    directory's and its parent's inode numbers, and a removed directory lists nothing."""
+    m = mounted
+    (m.path("a") / "b").mkdir(parents=True)
+    (m.path("a") / "f").write_bytes(b"x")
+    DT_DIR, DT_REG = 4, 8
+    got = raw_listing(m.path("a", "b"))
+    assert got == {b".": (os.stat(m.path("a", "b")).st_ino, DT_DIR),
+                   b"..": (os.stat(m.path("a")).st_ino, DT_DIR)}, got
+    got = raw_listing(m.path("a"))
+    assert set(got) == {b".", b"..", b"b", b"f"} and got[b"f"][1] == DT_REG, got
+    assert got[b"."][0] == os.stat(m.path("a")).st_ino
+    assert got[b".."][0] == os.stat(m.mnt).st_ino
+    assert set(raw_listing(m.mnt)) == {b".", b"..", b"a"}
+    assert sorted(os.listdir(m.path("a"))) == ["b", "f"]     # (Python leaves them out)
+    fd = os.open(m.path("a", "b"), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.rmdir(m.path("a", "b"))
+        assert os.listdir(fd) == [] and raw_listing(f"/proc/self/fd/{fd}") == {}
+    finally:
+        os.close(fd)
