@@ -163,9 +163,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise UserError(f"the cachefs daemon (pid {pid}) did not finish within "
                         f"{args.timeout:g} s; it keeps persisting in the background.")
     if stats and stats["dirty_bytes"]:
-        print(f"cachefs: {format_size(stats['dirty_bytes'])} of write-back data stay dirty on "
-              f"the SSD in {stats['cache_dir']}; they are destaged at the next mount "
-              "(use --flush to destage before unmounting).")
+        print(f"cachefs: write-back data not yet on BACKING stays on the SSD in "
+              f"{stats['cache_dir']} ({format_size(stats['dirty_bytes'])} when the unmount "
+              "began); it is destaged at the next mount (use --flush to destage before "
+              "unmounting).")
     return 0
 
 

@@ -43,10 +43,12 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    "the cache (default 4M; 0 disables)")
     p.add_argument("--dirty-high", help="write-back: dirty data above which writers are slowed")
     p.add_argument("--dirty-low", help="write-back: dirty data below which writers run free")
-    p.add_argument("--max-dirty-age", help="write-back: seconds data may stay only on the SSD")
-    p.add_argument("--attr-timeout", help="seconds the kernel caches attributes (default 1)")
-    p.add_argument("--backing-timeout", help="seconds before a stalled BACKING read fails "
-                   "with EIO (default 60)")
+    p.add_argument("--max-dirty-age", metavar="DURATION", help="write-back: how long data "
+                   "may stay only on the SSD (seconds, or with s, m, h, d; default 30)")
+    p.add_argument("--attr-timeout", metavar="DURATION", help="how long the kernel caches "
+                   "attributes (seconds, or with a unit; default 1)")
+    p.add_argument("--backing-timeout", metavar="DURATION", help="how long before a stalled "
+                   "BACKING read fails with EIO (seconds, or with a unit; default 60)")
     p.add_argument("--eviction", help="eviction policy: s3-fifo (default) or clock "
                    "(an LRU approximation, for comparisons)")
     p.add_argument("--max-pinned", help="share of the pool pinned files may hold "
@@ -185,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if "dirty_low" in values:
         kw["dirty_low"] = parse_size(values["dirty_low"], "--dirty-low")
     if "max_dirty_age" in values:
-        kw["max_dirty_age_s"] = _number(values["max_dirty_age"], "--max-dirty-age")
+        kw["max_dirty_age_s"] = parse_duration(values["max_dirty_age"], "--max-dirty-age")
     if "eviction" in values:
         kw["eviction"] = values["eviction"]
     if "promote_all_below" in values:
@@ -198,10 +200,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if "metrics" in values:
         kw["metrics"] = parse_address(values["metrics"], "--metrics")
     if "attr_timeout" in values:
-        t = _number(values["attr_timeout"], "--attr-timeout")
+        t = parse_duration(values["attr_timeout"], "--attr-timeout")
         kw["attr_timeout_s"] = kw["entry_timeout_s"] = t
     if "backing_timeout" in values:
-        kw["backing_timeout_s"] = _number(values["backing_timeout"], "--backing-timeout")
+        kw["backing_timeout_s"] = parse_duration(values["backing_timeout"],
+                                                 "--backing-timeout")
     if "scrub_interval" in values:
         kw["scrub_interval_s"] = parse_duration(values["scrub_interval"], "--scrub-interval")
     if "scrub_rate" in values:

@@ -1,0 +1,31 @@
+"""Mount options: every duration takes the same forms (a number of seconds, or with s, m,
+h, d), as flags and in -o (`--backing-timeout 5s` was refused while `--scrub-interval 7d`
+was taken)."""
+
+import argparse
+
+import pytest
+
+from cachefs.errors import UserError
+from cachefs_cli.options import add_mount_arguments, config_from_args
+
+
+def config(*argv: str):
+    p = argparse.ArgumentParser()
+    add_mount_arguments(p)
+    return config_from_args(p.parse_args([*argv, "/b", "/m"]))
+
+
+@pytest.mark.parametrize("flag,field", [("--backing-timeout", "backing_timeout_s"),
+                                        ("--attr-timeout", "attr_timeout_s"),
+                                        ("--max-dirty-age", "max_dirty_age_s"),
+                                        ("--scrub-interval", "scrub_interval_s")])
+def test_durations_take_units(flag, field):
+    for text, seconds in (("5", 5), ("5s", 5), ("2m", 120), ("1.5h", 5400), ("1d", 86400),
+                          ("0.5", 0.5)):
+        assert getattr(config(flag, text), field) == seconds, (flag, text)
+    assert getattr(config("-o", f"{flag[2:].replace('-', '_')}=3m"), field) == 180
+    for bad in ("5x", "s", "-5", "nan"):
+        with pytest.raises(UserError) as err:
+            config(flag, bad)
+        assert flag in str(err.value), str(err.value)
