@@ -29,6 +29,7 @@ log = logging.getLogger("cachefs.store")
 SCHEMA_VERSION = 4
 RESERVE_BYTES = 8 << 20         # see ensure_reserve()
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+MIN_FREE_TO_OPEN = 1 << 20      # less free than this: a failed open is taken for no room
 
 # meta: key/value facts about this cache directory.
 #   backing      real path of the BACKING directory this cache belongs to
@@ -156,7 +157,17 @@ class MetadataStore:
             try:
                 return self._open(backing_real, backing_root)
             except CorruptStore as exc:
-                problem = str(exc)
+                # SQLite cannot make its -wal and -shm files on a full filesystem and says
+                # "disk I/O error": that is no damage (--discard-dirty would throw away data
+                # that is fine), so room is made with the reserve file or asked for.
+                if self._free_bytes() >= MIN_FREE_TO_OPEN:
+                    problem = str(exc)
+                elif self.release_reserve():
+                    log.warning("the cache filesystem is full: the reserve file was "
+                                "released so that the metadata database can be opened")
+                    return self.open(backing_real, backing_root, discard_dirty)
+                else:
+                    raise UserError(self._full_sentence()) from None
         if not discard_dirty:
             raise UserError(f"{problem} It may have named dirty write-back data that is not in "
                             "BACKING; recover it by hand, or mount with --discard-dirty to "
@@ -262,12 +273,21 @@ class MetadataStore:
             if not is_full(exc):
                 raise CorruptStore(f"the metadata database {self.path} cannot be written "
                                    f"({exc}).") from None
-            raise UserError(f"the cache filesystem holding {self.cache_dir} is full: the "
-                            "metadata database cannot be written. Free some space there and "
-                            "mount again (the cached data, and any write-back data not yet "
-                            "on BACKING, is kept).") from None
+            raise UserError(self._full_sentence()) from None
         self._db = db
         return clean
+
+    def _full_sentence(self) -> str:
+        return (f"the cache filesystem holding {self.cache_dir} is full: the metadata "
+                "database cannot be written. Free some space there and mount again (the "
+                "cached data, and any write-back data not yet on BACKING, is kept).")
+
+    def _free_bytes(self) -> int:
+        try:
+            sv = os.statvfs(self.cache_dir)
+        except OSError:
+            return 1 << 62          # cannot tell: not taken for full
+        return sv.f_bavail * sv.f_frsize
 
     def _with_room(self, write):
         """write(); if the cache filesystem is full, delete the reserve file (see
