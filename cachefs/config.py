@@ -15,6 +15,7 @@ BLK_SIZE = 4096
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 MODES = ("write-through", "write-back")
 EVICTIONS = ("s3-fifo", "clock")
+MIN_BACKING_TIMEOUT_S = 1.0
 
 
 def parse_size(text: str, what: str = "size") -> int:
@@ -67,7 +68,7 @@ class Config:
     fuse_options: tuple[str, ...] = ()
     attr_timeout_s: float = 1.0
     entry_timeout_s: float = 1.0
-    backing_timeout_s: float = 60.0
+    backing_timeout_s: float = 60.0          # at least MIN_BACKING_TIMEOUT_S
     backing_threads: int = 16
     commit_interval_s: float = 1.0
     debug: bool = False
@@ -113,6 +114,10 @@ class Config:
             _check_stats_group(self.stats_group)
         if self.attr_timeout_s < 0 or self.entry_timeout_s < 0 or self.backing_timeout_s <= 0:
             raise UserError("timeouts must be positive numbers of seconds.")
+        if self.backing_timeout_s < MIN_BACKING_TIMEOUT_S:
+            raise UserError(f"--backing-timeout must be at least {MIN_BACKING_TIMEOUT_S:g} s: "
+                            "a shorter one fails calls that a healthy network filesystem "
+                            "may take.")
 
 
 def _check_stats_group(group: str) -> None:

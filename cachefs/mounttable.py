@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def unescape(field: str) -> str:
     """A path field of /proc/self/mounts or mountinfo (spaces and such come as \\040)."""
@@ -29,3 +31,31 @@ def device_of(real_mountpoint: str) -> str | None:
             if len(fields) > 4 and unescape(fields[4]) == real_mountpoint:
                 dev = fields[2].split(":")[1]
     return dev
+
+
+def resolve(path: str) -> str:
+    """`path` absolute, with its symlinks followed, as the mount table names mountpoints,
+    by readlink alone: os.path.realpath stats every component, the mount's root included,
+    whose attributes a cachefs daemon asks BACKING for (a hung BACKING would hang us)."""
+    parts = (path if path.startswith("/") else os.getcwd() + "/" + path).split("/")
+    out, hops = "/", 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            out = os.path.dirname(out)
+            continue
+        here = os.path.join(out, name)
+        try:
+            target = os.readlink(here)          # EINVAL: not a link (no getattr is asked)
+        except OSError:
+            out = here
+            continue
+        hops += 1
+        if hops > 40:                           # a loop: the caller's checks say what is wrong
+            return os.path.abspath(path)
+        if target.startswith("/"):
+            out = "/"
+        parts = target.split("/") + parts
+    return out

@@ -24,7 +24,7 @@ def control_paths(mountpoint: str) -> Iterator[str]:
 
 
 def _registered(mountpoint: str) -> str | None:
-    where = os.path.abspath(mountpoint)
+    where = mounttable.resolve(mountpoint)
     try:
         on_top = [fstype for mp, fstype in mounttable.mounts() if mp == where]
         if not on_top or on_top[-1] != "fuse.cachefs":

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:             # `cachefs-ctl stats --json | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                      # as a shell reports SIGPIPE
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:

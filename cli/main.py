@@ -141,7 +141,7 @@ def _run_foreground(cfg) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    mountpoint = os.path.abspath(args.mountpoint)
+    mountpoint = mounttable.resolve(args.mountpoint)     # (no stat: BACKING may hang)
     if not _is_cachefs_mount(mountpoint):
         raise UserError(f"{mountpoint} is not a cachefs mount.")
     if args.flush:

@@ -103,15 +103,23 @@ def _number(value: str, what: str, kind=float) -> float:
     return n
 
 
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
 def parse_duration(value: str, what: str) -> float:
-    """Seconds, or a number with s, m, h or d."""
+    """Seconds, or a number with ms, s, m, h or d."""
     text = value.strip().lower()
-    unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(text[-1:], None)
-    n = _number(text[:-1] if unit else text, what)
-    n *= unit or 1
+    unit = next((u for u in ("ms", "s", "m", "h", "d") if text.endswith(u)), None)
+    try:
+        n = float(text[:-len(unit)] if unit else text)
+    except ValueError:
+        n = math.nan
+    if not math.isfinite(n):
+        raise UserError(f"{what} {value!r} is not a duration; give seconds, or a number "
+                        "with ms, s, m, h or d (30s, 5m, 7d).")
     if n < 0:
-        raise UserError(f"{what} {value!r} is negative; give a duration such as 12h or 7d.")
-    return n
+        raise UserError(f"{what} {value!r} is negative; give a duration such as 30s or 5m.")
+    return n * _UNITS[unit or "s"]
 
 
 def _flag(key: str) -> str:

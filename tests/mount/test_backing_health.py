@@ -201,7 +201,10 @@ def test_ctl_reaches_the_daemon_while_backing_hangs(make_mount, slow_backing):
                 assert exc.errno == errno.EIO
                 return True
         wait_until(root_times_out, 20, what="the root's getattr to time out")
-        for cmd in (["stats", str(m.mnt)], ["stats", str(m.mnt), "--json"]):
+        link = m.mnt.parent / "link"
+        link.symlink_to(m.mnt)              # through a symlink too (realpath would stat it)
+        for cmd in (["stats", str(m.mnt)], ["stats", str(link)],
+                    ["stats", str(m.mnt), "--json"]):
             t0 = time.monotonic()
             out = subprocess.run([*CTL, *cmd], capture_output=True, text=True, timeout=30)
             assert out.returncode == 0, out.stderr
@@ -209,4 +212,8 @@ def test_ctl_reaches_the_daemon_while_backing_hangs(make_mount, slow_backing):
         assert json.loads(out.stdout)["backing_health"]["state"] == "failing"
     finally:
         os.kill(server, signal.SIGCONT)
+    out = subprocess.run([*CACHEFS, "umount", str(link)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr          # (it was "not a cachefs mount")
+    assert not os.path.ismount(m.mnt)
     m.stop(check=False)

@@ -22,10 +22,19 @@ def config(*argv: str):
                                         ("--scrub-interval", "scrub_interval_s")])
 def test_durations_take_units(flag, field):
     for text, seconds in (("5", 5), ("5s", 5), ("2m", 120), ("1.5h", 5400), ("1d", 86400),
-                          ("0.5", 0.5)):
+                          ("1500ms", 1.5), ("1.5", 1.5)):
         assert getattr(config(flag, text), field) == seconds, (flag, text)
     assert getattr(config("-o", f"{flag[2:].replace('-', '_')}=3m"), field) == 180
-    for bad in ("5x", "s", "-5", "nan"):
+    for bad in ("5x", "s", "-5", "nan", "inf", "ms"):
         with pytest.raises(UserError) as err:
             config(flag, bad)
-        assert flag in str(err.value), str(err.value)
+        assert f"{flag} {bad!r}" in str(err.value), str(err.value)   # the value as given
+
+
+def test_a_backing_timeout_too_short_to_work_is_refused():
+    """--backing-timeout 0.0001s was taken, and then every listing failed with EIO."""
+    for short in ("0.0001s", "500ms", "0.5"):
+        with pytest.raises(UserError) as err:
+            config("--backing-timeout", short)
+        assert "at least 1 s" in str(err.value)
+    assert config("--backing-timeout", "1s").backing_timeout_s == 1
