@@ -152,3 +152,24 @@ def test_a_truncate_right_after_a_write_is_not_older(make_mount):
         assert not back, f"the mtime went back in {len(back)} of 300 rounds: {back[:5]}"
     finally:
         os.close(fd)
+
+
+def test_times_set_while_a_destage_pass_runs_stay(make_mount):
+    """A utime right after the writes (cp -a, rsync -t, tar x) while the destager is busy
+    (dirty data over the high mark) reached BACKING during the file's destage pass, whose
+    write and its own utime (the last write's time) then replaced it: 21 of 30 files had
+    the destage time, on the mount and on BACKING."""
+    m = make_mount("--mode", "write-back", "--cache-size", "64M", "--dirty-high", "16M",
+                   "--dirty-low", "8M")
+    want = 1_600_000_000_000_000_000
+    data = os.urandom(9 << 20)
+    names = [f"f{i}" for i in range(24)]
+    for name in names:
+        with open(m.path(name), "wb") as f:
+            f.write(data)
+        os.utime(m.path(name), ns=(want, want))
+    assert {n: t for n, t in mtimes(m.mnt, names).items() if t != want} == {}
+    ctl_flush(m)
+    assert {n: t for n, t in mtimes(m.mnt, names).items() if t != want} == {}
+    m.stop()
+    assert {n: t for n, t in mtimes(m.backing, names).items() if t != want} == {}
