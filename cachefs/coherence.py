@@ -106,6 +106,7 @@ class Coherence:
             self.stats.drop_recovery += clean
         else:
             self.stats.conflicts += 1
+            self.stats.stale_files += 1         # changed behind the cache, as any other
             self.stats.drop_coherence += clean
             log.warning("conflict: BACKING inode %d (%s) changed behind the cache while %d "
                         "extents hold dirty data; the dirty data will overwrite it; dropping "

@@ -61,6 +61,8 @@ def test_write_back_host_reports_a_conflict_with_another_host(make_mount):
     write_at(b.path("f"), 8192, b"B" * 4096)           # host b writes the same file
     seen = whole(a.path("f"))                          # a's next open sees the change...
     assert seen[:4096] == b"A" * 4096 and seen[8192:12288] == b"B" * 4096
-    assert a.stats()["conflicts"] == 1                 # ...and reports the conflict
+    s = a.stats()
+    assert s["conflicts"] == 1                         # ...and reports the conflict
+    assert s["stale_files"] == 1                       # a file changed behind the cache too
     assert "conflict: BACKING inode" in a.logs[-1].read_text()
     a.stop(check=False)                                # the WARNING is expected
