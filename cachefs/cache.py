@@ -9,6 +9,7 @@ module imports the parts, the parts never import it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Awaitable, Callable, TypeVar
@@ -282,6 +283,16 @@ class Cache:
         if not cf.dirty_exts and cf.times is not None:
             self.state.set_times(cf, None)          # BACKING has the data and the times
         self.coherence.own_change(cf, st, size_exact=False)
+
+    def times_guard(self, ino: int):
+        """Held around an explicit change of a file's times (utime). Write-back, a file with
+        dirty data: its lock, so that the change does not reach BACKING during a destage
+        pass, whose data write and utime (the last write's time) would replace it; before
+        or after a pass, times_set keeps it for the next pass or BACKING holds it."""
+        cf = self.files.get(ino)
+        if self.write_back and cf is not None and cf.dirty_exts:
+            return self.state.file_lock(cf)
+        return contextlib.nullcontext()
 
     def times_set(self, ino: int, st) -> None:
         """Write-back: BACKING just took explicit times (`st`, its stat after them) for a

@@ -204,12 +204,14 @@ class Operations(pyfuse3.Operations):
         # on Linux: BACKING gets the same call.
         touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
                      or times is not None)
-        st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch)
-        if getattr(fields, "kill_suidgid", False):      # a truncate by a caller w/o CAP_FSETID
-            st = await self._ns.kill_suidgid(inode, path, fd) or st
-        self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
-        if fields.update_mtime:
-            self._cache.times_set(inode, st)
+        async with (self._cache.times_guard(inode) if fields.update_mtime
+                    else contextlib.nullcontext()):
+            st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch)
+            if getattr(fields, "kill_suidgid", False):  # a truncate by a caller w/o CAP_FSETID
+                st = await self._ns.kill_suidgid(inode, path, fd) or st
+            self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
+            if fields.update_mtime:
+                self._cache.times_set(inode, st)
         return self._attr(st, inode)
 
     @_errno_mapped

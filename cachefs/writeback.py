@@ -276,17 +276,10 @@ class Destager:
             nbytes = sum(n for _, n in runs)
             sums = expected_sums(cf, runs)
             t0_ns = time.perf_counter_ns()
-            times = cf.times
             try:
                 st, damaged = await self._backing.write_call(
-                    _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, times)
+                    _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times)
                 self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
-                while cf.times is not None and cf.times != times:
-                    # Times set during the pass (tar x, cp -a, rsync -t: a utime right after
-                    # the writes) reached BACKING before the pass's write and utime moved
-                    # them on: the newest go back on top.
-                    times = cf.times
-                    st = await self._backing.write_call(_put_times, cf.wb_fd, times)
             except BaseException as exc:
                 cache.destage_failed(cf)
                 if not isinstance(exc, OSError):
@@ -418,15 +411,9 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
             os.close(direct)
     os.fdatasync(fd)
     if times is not None:
-        return _put_times(fd, times), damaged
+        atime, mtime = times
+        os.utime(fd, ns=(os.fstat(fd).st_atime_ns if atime == KEEP_ATIME else atime, mtime))
     return fresh_fstat(fd), damaged    # BACKING's own attributes, not the kernel's cached ones
-
-
-def _put_times(fd: int, times: tuple[int, int]) -> os.stat_result:
-    """Give BACKING's file (atime_ns, mtime_ns) (atime KEEP_ATIME: its own); its stat."""
-    atime, mtime = times
-    os.utime(fd, ns=(os.fstat(fd).st_atime_ns if atime == KEEP_ATIME else atime, mtime))
-    return fresh_fstat(fd)
 
 
 def _read_into(fd: int, view: memoryview, off: int) -> None:
