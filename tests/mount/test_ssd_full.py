@@ -91,6 +91,17 @@ def test_full_cache_filesystem_keeps_the_mount(make_mount, make_tmpfs, mode):
 
 
 
+def write_back_on_tiny_fs(make_mount, make_tmpfs):
+    """A write-back mount whose cache directory is on a 32 MiB filesystem of its own."""
+    m = make_mount("--mode", "write-back", "--cache-size", "24M", "--dirty-high", "16M",
+                   "--dirty-low", "12M", "--max-dirty-age", "1000", "--sequential-cutoff", "0")
+    m.stop()
+    tiny_fs = make_tmpfs("32m")
+    m.cache = tiny_fs / "cache"
+    m.start()
+    return m, tiny_fs
+
+
 def dirty_and_full(m, tiny_fs) -> bytes:
     """4 MiB of fsync'd write-back data only in the cache, then a tenant fills the rest."""
     data = os.urandom(4 * MiB)
@@ -120,12 +131,7 @@ def test_remount_on_a_full_cache_filesystem_keeps_dirty_data(make_mount, make_tm
     starts again before any space is freed: the reserve file makes room for the database,
     the mount comes up, reads serve the newest bytes and a flush puts them on BACKING.
     (The remount failed with a traceback: the database's in-use mark did not fit.)"""
-    m = make_mount("--mode", "write-back", "--cache-size", "24M", "--dirty-high", "16M",
-                   "--dirty-low", "12M", "--max-dirty-age", "1000", "--sequential-cutoff", "0")
-    m.stop()
-    tiny_fs = make_tmpfs("32m")
-    m.cache = tiny_fs / "cache"
-    m.start()
+    m, tiny_fs = write_back_on_tiny_fs(make_mount, make_tmpfs)
     data = dirty_and_full(m, tiny_fs)
     if how == "kill":
         m.kill()
@@ -142,12 +148,7 @@ def test_no_room_for_the_database_is_a_clear_error(make_mount, make_tmpfs, how):
     says "disk I/O error": that was taken for a corrupt database, and --discard-dirty was
     offered, which would have thrown the dirty data away), and once space is freed the
     mount serves the data."""
-    m = make_mount("--mode", "write-back", "--cache-size", "24M", "--dirty-high", "16M",
-                   "--dirty-low", "12M", "--max-dirty-age", "1000", "--sequential-cutoff", "0")
-    m.stop()
-    tiny_fs = make_tmpfs("32m")
-    m.cache = tiny_fs / "cache"
-    m.start()
+    m, tiny_fs = write_back_on_tiny_fs(make_mount, make_tmpfs)
     data = dirty_and_full(m, tiny_fs)
     if how == "kill":
         m.kill()
@@ -170,12 +171,7 @@ def test_no_room_for_the_database_is_a_clear_error(make_mount, make_tmpfs, how):
 def test_reserve_makes_room_to_open_after_a_clean_unmount(make_mount, make_tmpfs):
     """A clean unmount leaves no -wal file; on a full filesystem the next open needs room
     for it: the reserve file gives it, and the dirty data is served and flushed."""
-    m = make_mount("--mode", "write-back", "--cache-size", "24M", "--dirty-high", "16M",
-                   "--dirty-low", "12M", "--max-dirty-age", "1000", "--sequential-cutoff", "0")
-    m.stop()
-    tiny_fs = make_tmpfs("32m")
-    m.cache = tiny_fs / "cache"
-    m.start()
+    m, tiny_fs = write_back_on_tiny_fs(make_mount, make_tmpfs)
     data = os.urandom(4 * MiB)
     with open(m.path("d"), "wb") as f:
         f.write(data)
