@@ -24,7 +24,8 @@ import trio
 
 from .cachefiles import CacheFiles, fdatasync_paths
 from .stats import Stats
-from .store import MetadataStore, is_full
+from .room import is_full
+from .store import MetadataStore
 
 log = logging.getLogger("cachefs.persist")
 

@@ -28,8 +28,9 @@ from .extents import (BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent, bloc
 from .integrity import Reports, lost_blocks
 from .persist import Persister
 from .policy import Admission, Clock, S3Fifo
+from .room import NO_SPACE
 from .stats import Stats
-from .store import NO_SPACE, MetadataStore
+from .store import MetadataStore
 
 log = logging.getLogger("cachefs.cache")
 

@@ -12,7 +12,6 @@ the commit that forgets it is durable.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sqlite3
@@ -21,15 +20,13 @@ import time
 
 import trio
 
+from . import room
 from .errors import UserError
 from .journal import DoubtJournal
 
 log = logging.getLogger("cachefs.store")
 
 SCHEMA_VERSION = 4
-RESERVE_BYTES = 8 << 20         # see ensure_reserve()
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-MIN_FREE_TO_OPEN = 1 << 20      # less free than this: a failed open is taken for no room
 
 # meta: key/value facts about this cache directory.
 #   backing      real path of the BACKING directory this cache belongs to
@@ -86,13 +83,6 @@ CREATE TABLE IF NOT EXISTS pins (
     ino INTEGER PRIMARY KEY, path BLOB NOT NULL, size INTEGER NOT NULL);
 """
 
-
-
-def is_full(exc: Exception) -> bool:
-    """An error that means the cache filesystem is out of space."""
-    if isinstance(exc, OSError):
-        return exc.errno in NO_SPACE
-    return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
 
 class CorruptStore(UserError):
     """The database cannot be read (garbage, truncated inside, not SQLite), or its dirty data
@@ -160,14 +150,14 @@ class MetadataStore:
                 # SQLite cannot make its -wal and -shm files on a full filesystem and says
                 # "disk I/O error": that is no damage (--discard-dirty would throw away data
                 # that is fine), so room is made with the reserve file or asked for.
-                if self._free_bytes() >= MIN_FREE_TO_OPEN:
+                if room.free_bytes(self.cache_dir) >= room.MIN_FREE_TO_OPEN:
                     problem = str(exc)
                 elif self.release_reserve():
                     log.warning("the cache filesystem is full: the reserve file was "
                                 "released so that the metadata database can be opened")
                     return self.open(backing_real, backing_root, discard_dirty)
                 else:
-                    raise UserError(self._full_sentence()) from None
+                    raise UserError(room.full_sentence(self.cache_dir)) from None
         if not discard_dirty:
             raise UserError(f"{problem} It may have named dirty write-back data that is not in "
                             "BACKING; recover it by hand, or mount with --discard-dirty to "
@@ -267,41 +257,15 @@ class MetadataStore:
                     ("clean", "0"),
                 ])
         try:
-            self._with_room(mark_in_use)
+            room.with_room(self.cache_dir, mark_in_use)
         except sqlite3.Error as exc:
             db.close()
-            if not is_full(exc):
+            if not room.is_full(exc):
                 raise CorruptStore(f"the metadata database {self.path} cannot be written "
                                    f"({exc}).") from None
-            raise UserError(self._full_sentence()) from None
+            raise UserError(room.full_sentence(self.cache_dir)) from None
         self._db = db
         return clean
-
-    def _full_sentence(self) -> str:
-        return (f"the cache filesystem holding {self.cache_dir} is full: the metadata "
-                "database cannot be written. Free some space there and mount again (the "
-                "cached data, and any write-back data not yet on BACKING, is kept).")
-
-    def _free_bytes(self) -> int:
-        try:
-            sv = os.statvfs(self.cache_dir)
-        except OSError:
-            return 1 << 62          # cannot tell: not taken for full
-        return sv.f_bavail * sv.f_frsize
-
-    def _with_room(self, write):
-        """write(); if the cache filesystem is full, delete the reserve file (see
-        ensure_reserve) and try once more: the commits that keep the cache's promises (the
-        in-use mark, a clean close, the forgetting of evicted extents) must not fail while
-        the reserve could make room for them."""
-        try:
-            return write()
-        except (OSError, sqlite3.OperationalError) as exc:
-            if not is_full(exc) or not self.release_reserve():
-                raise
-            log.warning("the cache filesystem is full: the reserve file was released so "
-                        "that the metadata database can be written (%s)", exc)
-            return write()
 
     def _create_private(self) -> None:
         """Create the database file 0600 (or make an existing one 0600) before SQLite opens
@@ -455,42 +419,11 @@ class MetadataStore:
         self._extents = {**{k: v for k, v in extents.items() if k[0] not in newer_drops},
                          **self._extents}
 
-    # -- the space reserve -----------------------------------------------------------------
-    # A file of RESERVE_BYTES kept in the cache directory: when the cache filesystem fills
-    # up, it is deleted so that the commit that forgets evicted extents (whose holes then
-    # release their space) still fits; it is made again once space was released.
-
     def ensure_reserve(self) -> bool:
-        """Make the reserve file if the filesystem has room to spare; True if it exists."""
-        path = os.path.join(self.cache_dir, "reserve")
-        try:
-            if os.path.getsize(path) >= RESERVE_BYTES:
-                return True
-        except FileNotFoundError:
-            pass
-        try:
-            sv = os.statvfs(self.cache_dir)
-            if sv.f_bavail * sv.f_frsize < 2 * RESERVE_BYTES:
-                return False
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return False
-        try:
-            os.posix_fallocate(fd, 0, RESERVE_BYTES)
-            return True
-        except OSError:                 # no room for it now: try again after the next punch
-            os.unlink(path)
-            return False
-        finally:
-            os.close(fd)
+        return room.ensure_reserve(self.cache_dir)
 
     def release_reserve(self) -> bool:
-        """Delete the reserve file; True if there was one (its space is free now)."""
-        try:
-            os.unlink(os.path.join(self.cache_dir, "reserve"))
-            return True
-        except FileNotFoundError:
-            return False
+        return room.release_reserve(self.cache_dir)
 
     async def run_async(self, fn, *args):
         """Run `fn(*args)` (a method of this store that uses the database) in a worker
@@ -549,7 +482,7 @@ class MetadataStore:
                 self.journal.clear()
                 with self._lock:
                     self._db.execute("PRAGMA synchronous=FULL")
-                self._with_room(lambda: self.set_meta("clean", "1"))
+                room.with_room(self.cache_dir, lambda: self.set_meta("clean", "1"))
                 with self._lock:
                     self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
