@@ -284,13 +284,13 @@ class Cache:
             self.state.set_times(cf, None)          # BACKING has the data and the times
         self.coherence.own_change(cf, st, size_exact=False)
 
-    def times_guard(self, ino: int):
-        """Held around an explicit change of a file's times (utime). Write-back, a file with
-        dirty data: its lock, so that the change does not reach BACKING during a destage
+    def times_guard(self, ino: int, mtime_set: bool):
+        """Held around a setattr; `mtime_set`: it sets the mtime (utime). Write-back, a file
+        with dirty data: its lock, so that the change does not reach BACKING during a destage
         pass, whose data write and utime (the last write's time) would replace it; before
         or after a pass, times_set keeps it for the next pass or BACKING holds it."""
         cf = self.files.get(ino)
-        if self.write_back and cf is not None and cf.dirty_exts:
+        if mtime_set and self.write_back and cf is not None and cf.dirty_exts:
             return self.state.file_lock(cf)
         return contextlib.nullcontext()
 

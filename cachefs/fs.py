@@ -204,8 +204,7 @@ class Operations(pyfuse3.Operations):
         # on Linux: BACKING gets the same call.
         touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
                      or times is not None)
-        async with (self._cache.times_guard(inode) if fields.update_mtime
-                    else contextlib.nullcontext()):
+        async with self._cache.times_guard(inode, bool(fields.update_mtime)):
             st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch)
             if getattr(fields, "kill_suidgid", False):  # a truncate by a caller w/o CAP_FSETID
                 st = await self._ns.kill_suidgid(inode, path, fd) or st
