@@ -76,7 +76,7 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
     """Open BACKING's file with inode `ino` for writing: at its path hint (relative to
     BACKING's root fd; older caches stored absolute paths under one of `root_paths`), or
     found by a walk of BACKING (it was renamed while cachefs was down). -1 if it no longer
-    exists."""
+    exists: two walks in a row did not find it."""
     if hint and hint.startswith(b"/"):
         prefixes = [p.rstrip(b"/") + b"/" for p in root_paths]
         hint = next((hint[len(p):] for p in prefixes if hint.startswith(p)), None)
@@ -90,14 +90,17 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
             if os.fstat(fd).st_ino == ino:
                 return fd
             os.close(fd)
-    for _, _, names, dfd in os.fwalk(".", dir_fd=root):
-        for name in names:
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
-                return os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
+    # A walk can miss a file renamed meanwhile from a directory not yet walked into one
+    # already walked; -1 throws the file's dirty data away, so it takes two walks that miss.
+    for _ in range(2):
+        for _, _, names, dfd in os.fwalk(".", dir_fd=root):
+            for name in names:
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
+                    return os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
     return -1
 
 

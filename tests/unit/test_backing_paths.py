@@ -108,3 +108,34 @@ def test_nodes_are_made_under_the_callers_umask_in_that_thread_only(tmp_path):
     finally:
         os.umask(old)
         os.close(root)
+
+
+def test_a_file_renamed_during_the_walk_is_still_found(tmp_path, monkeypatch):
+    """open_by_ino walks BACKING for a file not at its path hint; a rename during the walk
+    into a directory already walked must not make it look deleted (its dirty data would be
+    discarded)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "f").write_bytes(b"dirty")
+    ino = (tmp_path / "z" / "f").stat().st_ino
+    real_fwalk = os.fwalk
+    moves = []
+
+    def fwalk_with_a_rename(*args, **kwargs):
+        for n, item in enumerate(real_fwalk(*args, **kwargs)):
+            yield item
+            if n == 0 and not moves:           # the root is walked: move the file into it
+                os.rename(tmp_path / "z" / "f", tmp_path / "f")
+                moves.append(1)
+
+    monkeypatch.setattr(bp.os, "fwalk", fwalk_with_a_rename)
+    root = bp.open_root(str(tmp_path))
+    try:
+        fd = bp.open_by_ino(root, b"z/old-name", ino)
+        assert fd >= 0 and moves
+        assert os.fstat(fd).st_ino == ino
+        os.close(fd)
+        os.unlink(tmp_path / "f")
+        assert bp.open_by_ino(root, b"f", ino) == -1
+    finally:
+        os.close(root)
