@@ -32,6 +32,7 @@ from .openmode import Answer, Kernel
 log = logging.getLogger("cachefs.fs")
 
 CONTROL_XATTR = os.fsencode(control.CONTROL_XATTR)
+RENAME_WHITEOUT = 4             # linux/fs.h; pyfuse3 names only EXCHANGE and NOREPLACE
 
 
 def to_fuse_error(exc: OSError) -> FUSEError:
@@ -278,8 +279,8 @@ class Operations(pyfuse3.Operations):
 
     @_errno_mapped
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE):
-            raise FUSEError(errno.EINVAL)
+        if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE | RENAME_WHITEOUT):
+            raise FUSEError(errno.EINVAL)       # WHITEOUT: BACKING leaves one at `old` (overlayfs)
         old = self._child(parent_inode_old, name_old)
         new = self._child(parent_inode_new, name_new)
         target = self._inodes.child(parent_inode_new, name_new)

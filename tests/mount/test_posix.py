@@ -28,7 +28,7 @@ SGID_GROUP = 4242
 
 _libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD = -100
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT = 1, 2, 4
 
 
 def renameat2(old, new, flags: int) -> None:
@@ -485,6 +485,22 @@ def test_rename_noreplace_and_exchange(mounted):
     with pytest.raises(FileNotFoundError):
         renameat2(m.path("dir"), m.path("missing"), RENAME_EXCHANGE)
 
+
+
+def test_rename_whiteout_leaves_a_whiteout(mounted):
+    """renameat2(RENAME_WHITEOUT), as overlayfs does on its upper directory: the file moves
+    and a whiteout (a character device 0:0) takes its old name, on the mount and BACKING."""
+    m = mounted
+    data = os.urandom(100_000)
+    m.path("a").write_bytes(data)
+    assert m.path("a").read_bytes() == data
+    renameat2(m.path("a"), m.path("b"), RENAME_WHITEOUT)
+    for st in (os.lstat(m.path("a")), os.lstat(flushed(m) / "a")):
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+    assert m.path("b").read_bytes() == data and (flushed(m) / "b").read_bytes() == data
+    assert sorted(os.listdir(m.mnt)) == ["a", "b"]
+    os.unlink(m.path("a"))
+    assert not os.path.lexists(flushed(m) / "a")
 
 
 def test_rename_exchange_of_cached_files_is_cachefs_own_change(mounted, mode):
