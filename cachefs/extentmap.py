@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-from .config import EXT_SIZE
+from .config import BLK_SIZE, EXT_SIZE
 from .dirty import DirtyIndex
 from .errors import InvariantError
 from .extents import BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, Extent, block_mask, runs
@@ -57,8 +57,11 @@ def spans(off: int, end: int) -> list[tuple[int, int, int, int]]:
 
 def holes(fd: int, size: int, e: int, valid: int) -> int:
     """The blocks of `valid` (of extent `e`) whose bytes are not in the cache file `fd`
-    (`size` bytes long): a hole under them, or no byte of them before its end. (The last
-    block of a file may end past the cache file's end: its bytes past EOF read as zeros.)"""
+    (`size` bytes long): a hole under all of them, or no byte of them before its end. (The
+    last block of a file may end past the cache file's end: its bytes past EOF read as
+    zeros. So may a block that held the end of a truncated cache file and was extended
+    since: on a cache filesystem with blocks smaller than 4 KiB its tail is a hole, which
+    holds the zeros the file has there; whole blocks are what a cut or a punch removes.)"""
     base = e << EXT_SHIFT
     mask = valid & ~block_mask(0, max(0, min(size - base, EXT_SIZE)))
     for b0, b1 in runs(valid):
@@ -71,7 +74,12 @@ def holes(fd: int, size: int, e: int, valid: int) -> int:
                 data = os.lseek(fd, hole, os.SEEK_DATA)
             except OSError:                 # ENXIO: a hole up to the end of the file
                 data = size
-            mask |= block_mask(hole - base, min(data, t) - base)
+            # the blocks whose bytes (up to the cache file's end) are all inside the hole
+            end = min(data, t) - base
+            first = (hole - base + BLK_SIZE - 1) >> BLK_SHIFT
+            last = (end + (BLK_SIZE - 1 if end + base >= size else 0)) >> BLK_SHIFT
+            if last > first:
+                mask |= ((1 << last) - 1) ^ ((1 << first) - 1)
             s = data
     return mask & valid
 

@@ -382,3 +382,26 @@ def test_plan_starts_at_the_given_extent_and_stops_after_max_bytes():
     plan, runs = plan_destage(cf, 2 * EXT, start_ext=3)
     assert [x.ext for x, _ in plan] == [3, 4]
     assert runs == [(3 * EXT, 2 * EXT)]
+
+
+def test_holes_are_whole_blocks_without_bytes(tmp_path):
+    """extentmap.holes: a block counts as missing when the cache file has none of its bytes
+    (a punched block, or blocks past the file's end); the last block of a file cut mid-block
+    counts by its bytes before the end. A hole in part of a block is never a missing block
+    (test_power_cut.py covers the 1 KiB-block filesystem where such holes exist)."""
+    from cachefs.cachefiles import punch_hole
+    from cachefs.extentmap import holes
+    path = tmp_path / "c"
+    path.write_bytes(os.urandom(64 << 10) + os.urandom(5000))     # extent 0 and 5000 bytes
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        assert holes(fd, size, 0, 0xFFFF) == 0 and holes(fd, size, 1, 0b11) == 0
+        punch_hole(fd, 8192, 4096)                                  # block 2
+        assert holes(fd, size, 0, 0xFFFF) == 0b100
+        assert holes(fd, size, 0, 0xFFFF & ~0b100) == 0
+        punch_hole(fd, 64 << 10, 64 << 10)                          # all of extent 1
+        assert holes(fd, size, 1, 0b11) == 0b11                     # block 1 is partial
+        assert holes(fd, size, 1, 0b111) == 0b111                   # block 2 past the end
+    finally:
+        os.close(fd)
