@@ -16,11 +16,14 @@ import os
 from . import backingpaths as bp
 from .cachefiles import pwrite_all
 from .extentmap import spans
+from .config import BLK_SIZE, EXT_SIZE
 from .extents import EXT_SHIFT, CachedFile, covered_mask
 from .hit import OpenFile
 from .state import MAPPED
 
 log = logging.getLogger("cachefs.writepath")
+
+_ZEROS = bytes(EXT_SIZE)
 
 
 class HeldWrites:
@@ -35,7 +38,8 @@ class HeldWrites:
         """BACKING, then the cache file (the file's lock held by the caller)."""
         cf = of.cfile
         end = off + len(data)
-        await self._wait_punched(cf, off, end)
+        await self._wait_punched(cf, min(off, cf.size), end)
+        old_size = cf.size
         cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
         cf.writes_inflight += 1
         try:
@@ -47,7 +51,10 @@ class HeldWrites:
         self.stats.backing_write_ops += 1
         self.stats.backing_write_bytes += written
         self._c.own_change(cf, st, size_exact=False)
+        grew = off > old_size and cf.held is not None and self._fill_gap(cf, old_size, off)
         self._mirror(cf, off, memoryview(data)[:written])
+        if grew:
+            await self.persister.persist(durable=True)
         return written
 
     async def _wait_punched(self, cf: CachedFile, off: int, end: int) -> None:
@@ -83,6 +90,40 @@ class HeldWrites:
             self._s.map.fill(cf, x, covered_mask(s - base, t - base, cf.size - base)
                              & ~x.dirty)
         self._s.persist_identity(cf)
+
+    def _fill_gap(self, cf: CachedFile, start: int, end: int) -> bool:
+        """A held file grows from `start` to `end` with no bytes written there (a truncate
+        up, a write past the end): the cache file gets the zeros the file has there and the
+        blocks turn valid. Every block of a held file is valid: the kernel reads, and a
+        shared writable mapping writes, the cache file whatever the map says, and a read
+        through cachefs of a block not valid would fill BACKING's zeros over what a mapping
+        wrote there (nor would a write-back mapping's bytes there be destaged). The caller
+        waited for holes being punched in the range. Returns whether a mapping may write the
+        new blocks: their map is then to be made durable (a mount after a crash takes what
+        the map holds of a mapped file as written)."""
+        lo = (start + BLK_SIZE - 1) & ~(BLK_SIZE - 1)   # the block holding `start` is valid
+        parts = spans(lo, end) if lo < end else []
+        try:
+            fd = self.cachefiles.fd(cf)
+            if os.fstat(fd).st_size > start:
+                os.ftruncate(fd, start)             # nothing but zeros past the old end
+            for _, s, t, _ in parts:                # written, not holes: valid blocks hold
+                pwrite_all(fd, _ZEROS[:t - s], s)   # bytes (recovery forgets holes, I5)
+            os.ftruncate(fd, end)
+        except OSError as exc:
+            self._s.ssd_failed(exc, "extending a file in passthrough")
+            self.stats.drop_cache_error += len(cf.extents)
+            self._s.drop_file(cf)
+            return False
+        for e, _, _, mask in parts:
+            x = cf.extents.get(e)
+            if x is None:
+                self._s.make_room(1)
+                self._s.map.add(cf, e, mask, _ZEROS, e << EXT_SHIFT)
+            elif mask & ~x.valid:
+                self._s.map.fill(cf, x, mask & ~x.valid, _ZEROS, e << EXT_SHIFT)
+        self._s.persist_identity(cf)
+        return cf.held.mapped_writable
 
     def dirty_all(self, of: OpenFile | None, why: str) -> None:
         """A shared writable mapping of a held file's cache file may change any block: the

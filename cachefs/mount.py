@@ -144,7 +144,8 @@ class Daemon:
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
         self.cache.load(self.clean_start)
         if self.cache.dirty:
-            log.info("%s of dirty data from an earlier write-back mount will be destaged",
+            log.info("%s of dirty data from an earlier mount (write-back, or written by a "
+                     "shared mapping in passthrough) will be destaged",
                      format_size(self.cache.dirty_bytes()))
         inodes = InodeTable(root_st)
         self.ops = Operations(self.cfg, self.cache, inodes, self.control_path)
@@ -293,6 +294,7 @@ class Daemon:
             with trio.CancelScope(shield=True):
                 sd_notify("STOPPING=1")
                 try:
+                    await self.cache.modes.unmounting()
                     await self.cache.persist(durable=True)
                 except OSError as exc:
                     clean = False

@@ -356,6 +356,28 @@ class OpenModes:
             if self._debug:
                 log.debug("inode %d: no passthrough open or mapping left; not held", cf.ino)
 
+    async def unmounting(self) -> None:
+        """The mount is going away: what shared writable mappings of held files wrote goes
+        to BACKING (write-through) or turns dirty (write-back) now, not at a check that
+        will not come. A file some process still maps (a lazy unmount) keeps its mark: the
+        next mount takes it as written again."""
+        wrote = [h for h in self.held.values()
+                 if h.mapped_writable and h.current and self._s.files.get(h.cf.ino) is h.cf
+                 and not h.cf.doomed]
+        if not wrote:
+            return
+        mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev,
+                                               {h.cf.ino for h in wrote})
+        for h in wrote:
+            if h.cf.ino in mapped:
+                continue
+            h.mapped_writable = False
+            try:
+                await self._writes.sync_back(h.cf)
+            except OSError as exc:          # the mark stays: the next mount does it
+                log.warning("inode %d: copying what a shared mapping wrote to BACKING failed "
+                            "at the unmount (%s); the next mount does it", h.cf.ino, exc)
+
     # -- reporting -----------------------------------------------------------------------------
 
     def status(self) -> dict:

@@ -75,8 +75,9 @@ class WritePath(HeldWrites):
             if cf.shrinking is not None:
                 await cf.shrinking.wait()           # a truncate is committing its new end
                 continue
-            if (self.persister.punching((cf.ino, first)) if first == last else
-                    any(self.persister.punching((cf.ino, e)) for e in range(first, last + 1))):
+            low = first if cf.held is None else min(first, cf.size >> EXT_SHIFT)   # _fill_gap
+            if (self.persister.punching((cf.ino, first)) if low == last else
+                    any(self.persister.punching((cf.ino, e)) for e in range(low, last + 1))):
                 # The hole of an extent this write needs is being punched (it was evicted
                 # and its space is being released): data put there now would be zeroed.
                 self.stats.punch_waits += 1
@@ -126,7 +127,10 @@ class WritePath(HeldWrites):
             if missing and self._partial_gaps(cf, off, end):
                 continue                # making room evicted a block this write fills
             break
+        grew = False
         try:
+            if cf.held is not None and off > cf.size:
+                grew = self._fill_gap(cf, cf.size, off)
             self._write_dirty(cf, off, data)
         except OSError as exc:
             # Full or failing (EIO): the write is not stored safely on the SSD, so it is
@@ -138,7 +142,7 @@ class WritePath(HeldWrites):
             cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
         self.stats.write_ops += 1
         self.stats.write_bytes += len(data)
-        if of.flags & (os.O_SYNC | os.O_DSYNC):
+        if grew or of.flags & (os.O_SYNC | os.O_DSYNC):
             await self.persister.persist(durable=True)
         return len(data)
 
@@ -423,6 +427,7 @@ class WritePath(HeldWrites):
 
     async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
                                ) -> os.stat_result:
+        old_size = cf.size
         self._trim(cf, min(size, cf.size), cut_file=False)
         if self.write_back and size < cf.size:
             # Shrinking: the new logical size and the dirty blocks gone past it are durable
@@ -450,7 +455,11 @@ class WritePath(HeldWrites):
             # Fills that read the old contents during the call may have been installed.
             self._trim(cf, min(size, cf.size), cut_file=False)
         self._c.own_change(cf, st, size_exact=True)
+        if size > old_size and cf.held is not None:
+            await self._wait_punched(cf, old_size, size)
         self._trim(cf, size)                   # the cache file as long as the file again
+        if size > old_size and cf.held is not None and self._fill_gap(cf, old_size, size):
+            await self.persister.persist(durable=True)
         return st
 
     async def fsync(self, of: OpenFile, datasync: bool) -> None:

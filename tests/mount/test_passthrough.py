@@ -362,6 +362,88 @@ def test_kill9_while_mapped_writable_keeps_the_mappings_writes(pt_mount, mode, f
     m.stop()
     assert (m.backing / "mw").read_bytes() == data
 
+@pytest.mark.parametrize("how", ["regrow", "grow", "write-past-end"])
+def test_mapped_writes_where_the_file_grew(pt_mount, mode, how):
+    """A writer joining a passthrough reader grows the file (truncate to 0 and back up,
+    truncate up, a write past the end) and writes the new part through a shared mapping of
+    its open (which maps the cache file). The grown blocks were not in the map: a read
+    through cachefs filled BACKING's zeros over the mapping's bytes, a write-back mapping's
+    bytes there were never destaged, and a deferred hole punch of the truncated extents
+    zeroed them in the writer's own mapping."""
+    m = pt_mount
+    data = bytearray(os.urandom(MiB))
+    (m.backing / "g").write_bytes(data)
+    cache_fully(m, "g", len(data))
+    r = open_passthrough(m, "g")
+    try:
+        w = os.open(m.path("g"), os.O_RDWR)
+        try:
+            if how == "regrow":
+                os.ftruncate(w, 0)
+                os.ftruncate(w, MiB)
+                data = bytearray(MiB)
+                off = 0x40000
+            elif how == "grow":
+                os.ftruncate(w, 2 * MiB)
+                data.extend(bytes(MiB))
+                off = MiB + 0x40000
+            else:
+                tail = os.urandom(5000)
+                os.pwrite(w, tail, 3 * MiB)
+                data.extend(bytes(2 * MiB) + tail)
+                off = MiB + 0x40000
+            patch = os.urandom(0x5000)
+            with mmap.mmap(w, 0) as mp:
+                mp[off:off + len(patch)] = patch
+                mp.flush()
+            data[off:off + len(patch)] = patch
+            time.sleep(0.5)                        # a commit and its hole punches
+            assert os.pread(w, len(patch), off) == patch, "a read through cachefs"
+            assert pread_all(r, len(data)) == data, "the passthrough reader"
+        finally:
+            os.close(w)
+    finally:
+        os.close(r)
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 15, what="the release")
+    assert read_all(m.path("g"), direct=True) == data
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "g").read_bytes() == data
+    m.stop()
+    assert (m.backing / "g").read_bytes() == data
+    m.start()
+    assert read_all(m.path("g"), direct=True) == data
+
+
+def test_unmount_right_after_a_mapped_write_takes_it_to_backing(pt_mount, mode):
+    """The mapping's bytes reached BACKING (write-through), or turned dirty (write-back),
+    only at a check a second after the last close: a clean unmount before it left BACKING
+    without them, and the next mount took the file as written again with a warning."""
+    m = pt_mount
+    data = bytearray(os.urandom(MiB))
+    (m.backing / "u").write_bytes(data)
+    cache_fully(m, "u", len(data))
+    r = open_passthrough(m, "u")
+    w = os.open(m.path("u"), os.O_RDWR)
+    try:
+        with mmap.mmap(w, 0) as mp:
+            mp[4096:70000] = data[4096:70000] = os.urandom(70000 - 4096)
+            mp.flush()
+    finally:
+        os.close(w)
+        os.close(r)
+    m.stop()
+    if mode == "write-through":
+        assert (m.backing / "u").read_bytes() == data
+    m.start()
+    assert "shared and writable at the last stop" not in m.logs[-1].read_text()
+    assert read_all(m.path("u"), direct=True) == data
+    if mode == "write-back":            # the unmount kept the written file dirty on the SSD
+        ctl_flush(m)
+        assert (m.backing / "u").read_bytes() == data
+    assert m.stats()["dirty_bytes"] == 0
+
+
 def test_no_passthrough_option(make_mount):
     m = make_mount("--no-passthrough")
     data = os.urandom(MiB)
