@@ -404,7 +404,9 @@ class WritePath(HeldWrites):
         must find the bytes the stored map still calls valid (invariant I5)."""
         cf.clobber(size >> EXT_SHIFT, 1 << 62)
         cf.trunc_seq += 1
-        if self.write_back:       # keep the block holding the new end: it may be dirty
+        if self.write_back or cf.held is not None:
+            # keep the block holding the new end: it may be dirty, or written by a mapping
+            # (every block of a held file stays valid: its cache file is the file)
             keep_below = (size + BLK_SIZE - 1) & ~(BLK_SIZE - 1)
         else:                     # drop it: a racing read must not see early zeros
             keep_below = size & ~(BLK_SIZE - 1)

@@ -415,6 +415,35 @@ def test_mapped_writes_where_the_file_grew(pt_mount, mode, how):
     assert read_all(m.path("g"), direct=True) == data
 
 
+def test_mapped_writes_before_a_truncate_into_their_extent(pt_mount, mode):
+    """Write-through dropped the block holding a held file's new end at a truncate: a read
+    through cachefs of that extent then went to BACKING, which has not got the mapping's
+    bytes yet, and served them as zeros (fsx: a copy_file_range of the range)."""
+    m = pt_mount
+    data = bytearray(os.urandom(MiB))
+    (m.backing / "t").write_bytes(data)
+    cache_fully(m, "t", len(data))
+    r = open_passthrough(m, "t")
+    try:
+        w = os.open(m.path("t"), os.O_RDWR)
+        try:
+            with mmap.mmap(w, 0) as mp:
+                mp[0x40b1c:0x45c91] = data[0x40b1c:0x45c91] = os.urandom(0x45c91 - 0x40b1c)
+                mp.flush()
+            os.ftruncate(w, 0x45957)
+            del data[0x45957:]
+            assert os.pread(w, 0x450d3 - 0x3f0d9, 0x3f0d9) == data[0x3f0d9:0x450d3]
+            assert pread_all(r, len(data)) == data
+        finally:
+            os.close(w)
+    finally:
+        os.close(r)
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 15, what="the release")
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "t").read_bytes() == data
+
+
 def test_unmount_right_after_a_mapped_write_takes_it_to_backing(pt_mount, mode):
     """The mapping's bytes reached BACKING (write-through), or turned dirty (write-back),
     only at a check a second after the last close: a clean unmount before it left BACKING
