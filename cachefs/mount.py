@@ -194,6 +194,7 @@ class Daemon:
     async def flush_cmd(self, request: dict, progress) -> dict:
         """Destage everything; progress lines every half second; fails with the reason."""
         timeout = request.get("timeout")
+        await self.cache.modes.settle()     # what mappings wrote is to be destaged too
         await self.cache.destager.flush(timeout, progress)
         return {"dirty_bytes": 0}
 
@@ -294,7 +295,7 @@ class Daemon:
             with trio.CancelScope(shield=True):
                 sd_notify("STOPPING=1")
                 try:
-                    await self.cache.modes.unmounting()
+                    await self.cache.modes.settle()
                     await self.cache.persist(durable=True)
                 except OSError as exc:
                     clean = False

@@ -74,6 +74,7 @@ class Held:
     current: bool = True        # the registered file is still the file's cache file
     mapped_writable: bool = False   # an O_RDWR open had it as backing file
     generation: int = 0         # bumped at every open: a check that began before is void
+    sync_failed: bool = False   # copying a mapping's writes to BACKING failed (logged once)
 
 
 @dataclass
@@ -345,7 +346,16 @@ class OpenModes:
         if h.mapped_writable and h.current and self._s.files.get(cf.ino) is cf \
                 and not cf.doomed:
             h.mapped_writable = False
-            await self._writes.sync_back(cf)
+            try:
+                await self._writes.sync_back(cf)
+            except OSError as exc:      # BACKING failed: still held, tried again later
+                h.mapped_writable = True
+                if not h.sync_failed:
+                    h.sync_failed = True
+                    log.warning("inode %d: copying what a shared mapping wrote to BACKING "
+                                "failed (%s); it is tried again every second (and by the "
+                                "next mount)", cf.ino, exc)
+                return
             if h.opens:
                 return                  # opened again meanwhile: still held
         if self.held.get(cf.ino) is h and not h.opens:
@@ -356,27 +366,22 @@ class OpenModes:
             if self._debug:
                 log.debug("inode %d: no passthrough open or mapping left; not held", cf.ino)
 
-    async def unmounting(self) -> None:
-        """The mount is going away: what shared writable mappings of held files wrote goes
-        to BACKING (write-through) or turns dirty (write-back) now, not at a check that
-        will not come. A file some process still maps (a lazy unmount) keeps its mark: the
-        next mount takes it as written again."""
-        wrote = [h for h in self.held.values()
-                 if h.mapped_writable and h.current and self._s.files.get(h.cf.ino) is h.cf
-                 and not h.cf.doomed]
+    async def settle(self) -> None:
+        """Let go now, not at the next check, of held files a shared writable mapping may
+        have written and that no open or mapping holds any more: what it wrote goes to
+        BACKING (write-through) or turns dirty (write-back). A flush does this first, so
+        that it destages the mapping's bytes, and so does the unmount (a file still mapped
+        then, after a lazy unmount, keeps its mark: the next mount takes it as written)."""
+        wrote = {ino: h.generation for ino, h in self.held.items()
+                 if h.mapped_writable and not h.opens}
         if not wrote:
             return
-        mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev,
-                                               {h.cf.ino for h in wrote})
-        for h in wrote:
-            if h.cf.ino in mapped:
+        mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev, set(wrote))
+        for ino, gen in wrote.items():
+            h = self.held.get(ino)
+            if h is None or h.opens or h.generation != gen or ino in mapped:
                 continue
-            h.mapped_writable = False
-            try:
-                await self._writes.sync_back(h.cf)
-            except OSError as exc:          # the mark stays: the next mount does it
-                log.warning("inode %d: copying what a shared mapping wrote to BACKING failed "
-                            "at the unmount (%s); the next mount does it", h.cf.ino, exc)
+            await self._let_go(h)
 
     # -- reporting -----------------------------------------------------------------------------
 

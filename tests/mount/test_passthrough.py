@@ -444,10 +444,11 @@ def test_mapped_writes_before_a_truncate_into_their_extent(pt_mount, mode):
     assert (m.backing / "t").read_bytes() == data
 
 
-def test_unmount_right_after_a_mapped_write_takes_it_to_backing(pt_mount, mode):
+def test_unmount_or_flush_right_after_a_mapped_write_takes_it_to_backing(pt_mount, mode):
     """The mapping's bytes reached BACKING (write-through), or turned dirty (write-back),
     only at a check a second after the last close: a clean unmount before it left BACKING
-    without them, and the next mount took the file as written again with a warning."""
+    without them and the next mount took the file as written again (with a warning), and
+    a flush before it did not destage them (`cachefs umount --flush`: BACKING without them)."""
     m = pt_mount
     data = bytearray(os.urandom(MiB))
     (m.backing / "u").write_bytes(data)
@@ -461,16 +462,52 @@ def test_unmount_right_after_a_mapped_write_takes_it_to_backing(pt_mount, mode):
     finally:
         os.close(w)
         os.close(r)
-    m.stop()
-    if mode == "write-through":
+    if mode == "write-back":
+        ctl_flush(m)                            # at once: before that check
         assert (m.backing / "u").read_bytes() == data
+    m.stop()
+    assert (m.backing / "u").read_bytes() == data
     m.start()
     assert "shared and writable at the last stop" not in m.logs[-1].read_text()
     assert read_all(m.path("u"), direct=True) == data
-    if mode == "write-back":            # the unmount kept the written file dirty on the SSD
-        ctl_flush(m)
-        assert (m.backing / "u").read_bytes() == data
     assert m.stats()["dirty_bytes"] == 0
+
+
+def test_a_failing_backing_at_the_copy_back_keeps_the_mount(make_mount, tmp_path):
+    """Write-through: copying a mapping's writes to BACKING failed with EIO, and the error
+    left the task that lets held files go, which ended the daemon. It is logged and tried
+    again until BACKING takes it."""
+    if _available():
+        pytest.skip(_available())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from slowfs_client import mounted_slowfs
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    data = bytearray(os.urandom(MiB))
+    (src / "f").write_bytes(data)
+    with mounted_slowfs(src, slow, latency_ms=0, jitter_ms=0) as sf:
+        m = make_mount("--attr-timeout", "0.2", backing=slow)
+        cache_fully(m, "f", len(data))
+        r = open_passthrough(m, "f")
+        w = os.open(m.path("f"), os.O_RDWR)
+        try:
+            with mmap.mmap(w, 0) as mp:
+                mp[0:50000] = data[0:50000] = os.urandom(50000)
+                mp.flush()
+        finally:
+            os.close(w)
+            os.close(r)
+        sf.set(eio=1)
+        try:
+            wait_until(lambda: "copying what a shared mapping wrote to BACKING failed"
+                       in m.logs[-1].read_text(), 15, m.proc, "the failed copy")
+            time.sleep(1.5)                     # tried again meanwhile
+            assert m.proc.poll() is None, "the daemon ended"
+        finally:
+            sf.set(eio=0)
+        wait_until(lambda: (src / "f").read_bytes() == data, 15, m.proc, "the copy")
+        m.stop()
 
 
 def test_no_passthrough_option(make_mount):
