@@ -220,11 +220,32 @@ def symlink(root: int, target: bytes, path: bytes, uid: int, gid: int, parent: b
     return chown_new(root, path, uid, gid, parent)
 
 
-def unlink(root: int, path: bytes) -> os.stat_result:
+def unlink(root: int, path: bytes) -> tuple[os.stat_result, int]:
+    """Remove a name; (its stat from just before, `_holder` of the node)."""
     with at(root, path) as (dfd, r):
-        st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
-        os.unlink(r, dir_fd=dfd)
-        return st
+        st, fd = _holder(dfd, r)
+        try:
+            os.unlink(r, dir_fd=dfd)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        return st, fd
+
+
+def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
+    """The lstat of a name about to be removed and, if it is the last name of a regular
+    file, an O_PATH descriptor of that file (else -1). Held while the kernel still knows the
+    inode (InodeTable.hold), it keeps BACKING from giving the inode number to a new file
+    meanwhile: with FUSE node ids being BACKING's numbers, the kernel would take the new
+    file for the old one (an open of the old one, raced by the rename that replaced it,
+    read the new file as it was being written)."""
+    fd = os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    st = os.fstat(fd)
+    if st.st_nlink > 1 or not stat_mod.S_ISREG(st.st_mode):
+        os.close(fd)
+        fd = -1
+    return st, fd
 
 
 def rmdir(root: int, path: bytes) -> os.stat_result:
@@ -244,36 +265,48 @@ def link(root: int, old: bytes, new: bytes) -> os.stat_result:
 
 
 def rename(root: int, old: bytes, new: bytes, flags: int
-           ) -> tuple[os.stat_result | None, os.stat_result]:
-    """Rename with renameat2 flags; returns (the replaced target's stat or None, new stat).
-    With RENAME_EXCHANGE the first is the stat of the other node, now at `old`."""
+           ) -> tuple[os.stat_result | None, os.stat_result, int]:
+    """Rename with renameat2 flags; returns (the replaced target's stat or None, new stat,
+    `_holder` of the replaced target or -1). With RENAME_EXCHANGE the first is the stat of
+    the other node, now at `old`."""
     with at(root, old) as (ofd, o), at(root, new) as (nfd, n):
         try:
-            target = os.stat(n, dir_fd=nfd, follow_symlinks=False)
+            target, held = _holder(nfd, n)
         except FileNotFoundError:
-            target = None
-        if flags:
-            if libc.renameat2(ofd, o, nfd, n, ctypes.c_uint(flags)) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-        else:
-            os.rename(o, n, src_dir_fd=ofd, dst_dir_fd=nfd)
-        if flags & RENAME_EXCHANGE:
-            target = os.stat(o, dir_fd=ofd, follow_symlinks=False)
-        return target, os.stat(n, dir_fd=nfd, follow_symlinks=False)
+            target, held = None, -1
+        try:
+            if flags:
+                if libc.renameat2(ofd, o, nfd, n, ctypes.c_uint(flags)) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err))
+            else:
+                os.rename(o, n, src_dir_fd=ofd, dst_dir_fd=nfd)
+            if flags & RENAME_EXCHANGE:
+                target = os.stat(o, dir_fd=ofd, follow_symlinks=False)
+            moved = os.stat(n, dir_fd=nfd, follow_symlinks=False)
+        except BaseException:
+            if held >= 0:
+                os.close(held)
+            raise
+        if held >= 0 and (flags & RENAME_EXCHANGE or moved.st_ino == target.st_ino):
+            os.close(held)                  # not removed: swapped, or renamed onto itself
+            held = -1
+        return target, moved, held
 
 
 def setattr(root: int, path: bytes, fd: int | None, mode: int | None, uid: int, gid: int,
-            times: tuple[int | None, int | None] | None, touch: bool = False
-            ) -> os.stat_result:
+            times: tuple[int | None, int | None] | None, touch: bool = False,
+            ino: int | None = None) -> os.stat_result:
     """chmod/chown/utimens in one thread call (size changes go through the engine);
-    `touch`: nothing to change, but the ctime changes, as chown(-1, -1) does."""
+    `touch`: nothing to change, but the ctime changes, as chown(-1, -1) does; `ino`: the
+    inode the path must lead to (ESTALE if it leads elsewhere: renamed over meanwhile)."""
     if touch:
         uid = gid = -1
     if fd is not None:
         return _setattr_fd(fd, mode, uid, gid, times, touch)
     with at(root, path) as (dfd, r):
         st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
+        same_inode(st, ino)
         is_link = (st.st_mode & 0o170000) == 0o120000
         if mode is not None and not is_link:
             os.chmod(r, mode, dir_fd=dfd)
@@ -302,13 +335,22 @@ def _times_ns(st: os.stat_result, times: tuple[int | None, int | None]) -> tuple
             st.st_mtime_ns if mtime is None else mtime)
 
 
-def truncate_stat(root: int, path: bytes, fd: int | None, size: int) -> os.stat_result:
-    """Truncate through `fd` if given (the file may have no name any more), else by path."""
+def same_inode(st: os.stat_result, ino: int | None) -> None:
+    """ESTALE unless `st` is of inode `ino` (None: any)."""
+    if ino is not None and st.st_ino != ino:
+        raise OSError(errno.ESTALE, "the path leads to another file now")
+
+
+def truncate_stat(root: int, path: bytes, fd: int | None, size: int, ino: int | None = None
+                  ) -> os.stat_result:
+    """Truncate through `fd` if given (the file may have no name any more), else by path
+    (`ino`: the inode it must lead to, as for setattr)."""
     if fd is not None:
         os.ftruncate(fd, size)
         return fresh_fstat(fd)
     fd = open_at(root, path, os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
+        same_inode(os.fstat(fd), ino)
         os.ftruncate(fd, size)
         return fresh_fstat(fd)
     finally:

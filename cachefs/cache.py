@@ -10,6 +10,7 @@ module imports the parts, the parts never import it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from typing import Awaitable, Callable, TypeVar
@@ -148,6 +149,7 @@ class Cache:
         keep its page cache for the file."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
         token = self.coherence.stat_token(ino)
+        before = self.files.get(ino)
         want_direct = self._direct_twins and flags & os.O_ACCMODE != os.O_RDONLY
         readable = True
         opened = None
@@ -165,12 +167,25 @@ class Cache:
             opened = await self.backing.read_call("open", _open_fstat, self.backing.root_fd,
                                                   path, bflags, want_direct)
         fd, st, dfd = opened
+        now = self.files.get(ino)
+        if st.st_ino != ino or (now is not before and before is not None) or \
+                not st.st_nlink and (now is None or not now.doomed):
+            # The name led to another file by the time BACKING opened it (a rename over it
+            # in flight, here or on another host), or the file lost its last name meanwhile
+            # and its cached data (its newest bytes, in write-back) went with it: ESTALE
+            # makes the kernel look the name up again and retry the open, instead of this
+            # inode's handle (its O_TRUNC, its writes, its destage) reaching that other
+            # file, or reading what is left of a removed one.
+            os.close(fd)
+            if dfd >= 0:
+                os.close(dfd)
+            raise OSError(errno.ESTALE, "the file was replaced meanwhile")
         dio = (0, 0)
         if flags & os.O_DIRECT and flags & os.O_ACCMODE == os.O_RDONLY and self.modes.enabled:
             # how strict BACKING is about O_DIRECT alignment (openmode: may such an open
             # read the cache file with O_DIRECT?)
             dio = await self.backing.read_call("open", dio_align, fd)
-        cf = self.state.file_for(ino)
+        cf = self.state.file_for(ino, st)
         unchanged = self.coherence.revalidate(cf, st, token)
         cf.path = path
         cf.open_count += 1
@@ -283,6 +298,20 @@ class Cache:
         if not cf.dirty_exts and cf.times is not None:
             self.state.set_times(cf, None)          # BACKING has the data and the times
         self.coherence.own_change(cf, st, size_exact=False)
+
+    @contextlib.contextmanager
+    def changing(self, *inos: int | None):
+        """Held around an attribute change of ours (rename, chmod, utime, link) from before
+        BACKING makes it until its stat is recorded (own_metadata_change): an open or a
+        getattr that stats BACKING meanwhile sees a new ctime that is no change behind us."""
+        held = [cf for cf in map(self.files.get, inos) if cf is not None]
+        for cf in held:
+            cf.meta_inflight += 1
+        try:
+            yield
+        finally:
+            for cf in held:
+                cf.meta_inflight -= 1
 
     def times_guard(self, ino: int, mtime_set: bool):
         """Held around a setattr; `mtime_set`: it sets the mtime (utime). Write-back, a file

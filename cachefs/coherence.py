@@ -65,11 +65,14 @@ class Coherence:
             cf.identity = ident
             cf.size = st.st_size
             return False
-        if cf.writes_inflight or self._overtaken(cf, token):
+        if cf.writes_inflight or cf.meta_inflight or self._overtaken(cf, token):
             return True                 # our own change is in flight or overtook the stat
         if cf.ctime_pending and ident[:3] == cf.identity[:3]:
-            # Our own metadata change (the unlink of another hard link) moved only the ctime.
+            # Our own metadata change (the unlink of another hard link) moved only the ctime;
+            # a stat taken before it and seen after it is overtaken by it.
             cf.ctime_pending = False
+            cf.change_seq += 1
+            self.change_seq += 1
             cf.identity = ident
             self._s.persist_identity(cf)
             return True
@@ -108,10 +111,11 @@ class Coherence:
             self.stats.conflicts += 1
             self.stats.stale_files += 1         # changed behind the cache, as any other
             self.stats.drop_coherence += clean
-            log.warning("conflict: BACKING inode %d (%s) changed behind the cache while %d "
-                        "extents hold dirty data; the dirty data will overwrite it; dropping "
-                        "%d clean extents (reason: coherence)", cf.ino,
-                        os.fsdecode(cf.path or b"?"), cf.dirty_exts, clean)
+            log.warning("conflict: BACKING inode %d (%s) changed behind the cache (size, "
+                        "mtime, ctime %s -> %s) while %d extents hold dirty data; the dirty "
+                        "data will overwrite it; dropping %d clean extents (reason: "
+                        "coherence)", cf.ino, os.fsdecode(cf.path or b"?"), cf.identity[1:],
+                        ident[1:], cf.dirty_exts, clean)
         cf.clobber(0, 1 << 62)
         for x in list(cf.extents.values()):
             if not x.dirty and cf.held is None:

@@ -90,7 +90,8 @@ class CachedFile:
     """
 
     __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
-                 "fills", "writes_inflight", "doomed", "path", "wb_fd", "lock", "dirty_exts",
+                 "fills", "writes_inflight", "meta_inflight", "doomed", "path", "wb_fd",
+                 "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "held", "verified", "times")
 
@@ -103,6 +104,7 @@ class CachedFile:
         self.open_count = 0
         self.fills: dict[int, bool] = {}   # ext -> clobbered, for promotions in flight
         self.writes_inflight = 0
+        self.meta_inflight = 0             # own changes in flight (rename, chmod, destage)
         self.doomed = False                # last link removed: drop at the last release
         self.path: bytes | None = None     # BACKING path hint, for destaging after a restart
         self.wb_fd = -1                    # writable BACKING fd the destager uses

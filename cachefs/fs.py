@@ -175,6 +175,8 @@ class Operations(pyfuse3.Operations):
                 return a
             else:
                 st = await self._ns.lstat(self._path(inode))
+                if self._inodes.ino_of(st) != inode:
+                    raise FUSEError(errno.ESTALE)   # the name leads elsewhere now: look again
         self._cache.attributes_seen(inode, st, token)
         return self._attr(st, inode)
 
@@ -186,9 +188,9 @@ class Operations(pyfuse3.Operations):
     async def _setattr(self, inode, attr, fields, fd: int | None):
         try:
             path = self._inodes.path(inode)
-        except OSError:
+        except OSError as exc:
             if fd is None:
-                raise FUSEError(errno.ENOENT) from None
+                raise to_fuse_error(exc) from None
             path = b""                          # unlinked but open: the fd does it all
         if fields.update_size:
             await self._cache.truncate(inode, attr.st_size, path, fd)
@@ -206,10 +208,13 @@ class Operations(pyfuse3.Operations):
         touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
                      or times is not None)
         async with self._cache.times_guard(inode, bool(fields.update_mtime)):
-            st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch)
-            if getattr(fields, "kill_suidgid", False):  # a truncate by a caller w/o CAP_FSETID
-                st = await self._ns.kill_suidgid(inode, path, fd) or st
-            self._cache.own_metadata_change(inode, st, times_set=bool(fields.update_mtime))
+            with self._cache.changing(inode):
+                st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch,
+                                            None if inode == ROOT_INODE else inode)
+                if getattr(fields, "kill_suidgid", False):  # truncated, caller w/o CAP_FSETID
+                    st = await self._ns.kill_suidgid(inode, path, fd) or st
+                self._cache.own_metadata_change(inode, st,
+                                                times_set=bool(fields.update_mtime))
             if fields.update_mtime:
                 self._cache.times_set(inode, st)
         return self._attr(st, inode)
@@ -245,10 +250,11 @@ class Operations(pyfuse3.Operations):
         ino = self._inodes.child(parent_inode, name)
         guarded = await self._last_link(ino, path)
         if guarded:
-            st = await self._cache.unlink_guarded(ino, lambda: self._ns.unlink(path))
+            st, held = await self._cache.unlink_guarded(ino, lambda: self._ns.unlink(path))
         else:
-            st = await self._ns.unlink(path)
+            st, held = await self._ns.unlink(path)
         self._inodes.unlinked(parent_inode, name)
+        self._inodes.hold(self._inodes.ino_of(st), held)
         if stat_mod.S_ISREG(st.st_mode):
             if st.st_nlink <= 1:
                 self._cache.last_link_removed(self._inodes.ino_of(st))
@@ -284,20 +290,24 @@ class Operations(pyfuse3.Operations):
         old = self._child(parent_inode_old, name_old)
         new = self._child(parent_inode_new, name_new)
         target = self._inodes.child(parent_inode_new, name_new)
-        if not flags & pyfuse3.RENAME_EXCHANGE and await self._last_link(target, new):
-            replaced, st = await self._cache.unlink_guarded(
-                target, lambda: self._ns.rename(old, new, flags))
-        else:
-            replaced, st = await self._ns.rename(old, new, flags)
-        exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
-        self._inodes.renamed(parent_inode_old, name_old, parent_inode_new, name_new, exchange)
-        moved = self._inodes.ino_of(st)
-        self._cache.own_metadata_change(moved, st)
-        self._cache.renamed(moved, new)
-        if exchange:                    # the other node moved too (its ctime with it)
-            other = self._inodes.ino_of(replaced)
-            self._cache.own_metadata_change(other, replaced)
-            self._cache.renamed(other, old)
+        with self._cache.changing(self._inodes.child(parent_inode_old, name_old), target):
+            if not flags & pyfuse3.RENAME_EXCHANGE and await self._last_link(target, new):
+                replaced, st, held = await self._cache.unlink_guarded(
+                    target, lambda: self._ns.rename(old, new, flags))
+            else:
+                replaced, st, held = await self._ns.rename(old, new, flags)
+            exchange = bool(flags & pyfuse3.RENAME_EXCHANGE)
+            self._inodes.renamed(parent_inode_old, name_old, parent_inode_new, name_new,
+                                 exchange)
+            if held >= 0:
+                self._inodes.hold(self._inodes.ino_of(replaced), held)
+            moved = self._inodes.ino_of(st)
+            self._cache.own_metadata_change(moved, st)
+            self._cache.renamed(moved, new)
+            if exchange:                    # the other node moved too (its ctime with it)
+                other = self._inodes.ino_of(replaced)
+                self._cache.own_metadata_change(other, replaced)
+                self._cache.renamed(other, old)
         if (replaced is not None and not exchange and stat_mod.S_ISREG(replaced.st_mode)
                 and replaced.st_ino != st.st_ino):
             if replaced.st_nlink <= 1:
@@ -311,8 +321,9 @@ class Operations(pyfuse3.Operations):
     async def link(self, inode, new_parent_inode, new_name, ctx):
         new = self._child(new_parent_inode, new_name)
         old = self._path(inode)
-        st = await self._ns.link(old, new)
-        self._cache.own_metadata_change(inode, st)
+        with self._cache.changing(inode):
+            st = await self._ns.link(old, new)
+            self._cache.own_metadata_change(inode, st)
         return self._entry(new_parent_inode, new_name, st)
 
     # -- files ---------------------------------------------------------------------------
@@ -408,7 +419,7 @@ class Operations(pyfuse3.Operations):
 
     async def opendir(self, inode, ctx):
         if inode not in self._removed_dirs:     # (those are listed empty)
-            self._path(inode)                   # ENOENT for a directory no longer known
+            self._path(inode)                   # ESTALE for a directory no longer known
         fh = self._fh()
         self._dirs[fh] = (inode, [], 0)
         return fh
@@ -423,7 +434,7 @@ class Operations(pyfuse3.Operations):
                 entries = [(b".", None), (b"..", None),
                            *await self._ns.scandir(self._inodes.path(parent))]
             except OSError as exc:
-                if exc.errno != errno.ENOENT:
+                if exc.errno not in (errno.ENOENT, errno.ESTALE):
                     raise to_fuse_error(exc) from None
                 entries = []            # removed meanwhile: empty, "." and ".." too, as on Linux
             self._dirs[fh] = (parent, entries, seq)

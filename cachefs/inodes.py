@@ -16,7 +16,7 @@ ROOT_INODE = 1
 
 
 class Inode:
-    __slots__ = ("ino", "names", "lookups", "is_dir", "seq")
+    __slots__ = ("ino", "names", "lookups", "is_dir", "seq", "held")
 
     def __init__(self, ino: int, is_dir: bool):
         self.ino = ino
@@ -24,6 +24,7 @@ class Inode:
         self.lookups = 0
         self.is_dir = is_dir
         self.seq = 0            # a directory: bumped when one of its entries goes (dir_seq)
+        self.held = -1          # an O_PATH fd keeping a removed file's number (hold)
 
 
 class InodeTable:
@@ -39,8 +40,9 @@ class InodeTable:
         return ROOT_INODE if st.st_ino == self.root_st_ino else st.st_ino
 
     def path(self, ino: int) -> bytes:
-        """BACKING path of an inode, relative to BACKING's root; raises ENOENT (OSError) for
-        an unknown inode or one with no name left."""
+        """BACKING path of an inode, relative to BACKING's root; raises ESTALE (OSError) for
+        an unknown inode or one with no name left (the kernel then looks the name up again
+        where a path led it here, as for a file renamed over meanwhile)."""
         if ino == ROOT_INODE:
             return b"."
         parts = []
@@ -48,7 +50,7 @@ class InodeTable:
         while ino != ROOT_INODE:
             node = self._inodes.get(ino)
             if node is None or not node.names:
-                raise OSError(errno.ENOENT, "stale inode")
+                raise OSError(errno.ESTALE, "stale inode")
             ino, name = node.names[0]
             parts.append(name)
             seen += 1
@@ -98,6 +100,21 @@ class InodeTable:
                 if self._entries.get(entry) == ino:
                     del self._entries[entry]
             del self._inodes[ino]
+            if node.held >= 0:
+                os.close(node.held)
+
+    def hold(self, ino: int, fd: int) -> None:
+        """`fd` (O_PATH, or -1) is of BACKING's file `ino`, whose last name cachefs just
+        removed: keep it open while the kernel knows the inode (until its forget), so that
+        BACKING cannot give the number to a new file the kernel would take for this one;
+        closed at once if the kernel does not know it or it still has a name here."""
+        if fd < 0:
+            return
+        node = self._inodes.get(ino)
+        if node is None or node.names or node.lookups <= 0 or node.held >= 0:
+            os.close(fd)
+            return
+        node.held = fd
 
     def dir_seq(self, parent: int) -> int:
         """Changes when an entry of directory `parent` is unlinked or renamed: a listing

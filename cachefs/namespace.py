@@ -68,9 +68,10 @@ class Namespace:
         return await self._backing.fstat(fd)
 
     async def setattr(self, path: bytes, fd: int | None, mode: int | None, uid: int,
-                      gid: int, times: tuple | None, touch: bool) -> os.stat_result:
+                      gid: int, times: tuple | None, touch: bool, ino: int | None = None
+                      ) -> os.stat_result:
         return await self._backing.write_call(bp.setattr, self._root, path, fd, mode, uid,
-                                              gid, times, touch)
+                                              gid, times, touch, ino)
 
     async def readlink(self, path: bytes) -> bytes:
         return await self._backing.read_call("readlink", bp.readlink, self._root, path)
@@ -90,14 +91,16 @@ class Namespace:
         return await self._backing.write_call(bp.symlink, self._root, target, path, uid,
                                               gid, parent)
 
-    async def unlink(self, path: bytes) -> os.stat_result:
+    async def unlink(self, path: bytes) -> tuple[os.stat_result, int]:
+        """(the stat from just before, an O_PATH holder of a removed file or -1)"""
         return await self._backing.write_call(bp.unlink, self._root, path)
 
     async def rmdir(self, path: bytes) -> os.stat_result:
         return await self._backing.write_call(bp.rmdir, self._root, path)
 
     async def rename(self, old: bytes, new: bytes, flags: int):
-        """(the stat of what `new` named before, or None; the stat of the moved node)"""
+        """(the stat of what `new` named before, or None; the stat of the moved node; an
+        O_PATH holder of the replaced file if that was its last name, or -1)"""
         return await self._backing.write_call(bp.rename, self._root, old, new, flags)
 
     async def link(self, old: bytes, new: bytes) -> os.stat_result:

@@ -235,12 +235,17 @@ class CacheState:
         del self.files[cf.ino]
         self.cachefiles.remove(cf.ino)
 
-    def file_for(self, ino: int) -> CachedFile:
+    def file_for(self, ino: int, st: os.stat_result | None = None) -> CachedFile:
         """The cache state of inode `ino`; a fresh one if the old file of that number was
         deleted and its last handle is still to be released (the kernel reuses numbers, and
-        RELEASE may arrive after the next CREATE)."""
+        RELEASE may arrive after the next CREATE), unless BACKING's `st`, of a file just
+        opened, is that deleted file itself: no link left, as it was when last seen, or
+        still open here (its number cannot have gone to another file). That is an open
+        that raced the unlink or rename that removed the file; it reads what the file held,
+        as on a local filesystem."""
         cf = self.files.get(ino)
-        if cf is not None and cf.doomed:
+        if cf is not None and cf.doomed and (st is None or st.st_nlink > 0 and
+                                             not cf.open_count and identity(st) != cf.identity):
             self.drop_file(cf)                  # its old handles now read BACKING's old inode
             cf = None
         if cf is None:

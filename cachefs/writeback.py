@@ -276,19 +276,23 @@ class Destager:
             nbytes = sum(n for _, n in runs)
             sums = expected_sums(cf, runs)
             t0_ns = time.perf_counter_ns()
+            cf.meta_inflight += 1           # BACKING's size and times move: ours
             try:
-                st, damaged = await self._backing.write_call(
-                    _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times)
-                self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
-            except BaseException as exc:
-                cache.destage_failed(cf)
-                if not isinstance(exc, OSError):
-                    raise
-                self._failed(cf, exc)
-                return
-            if damaged:                          # left out of the write: never to BACKING
-                cache.damaged(cf, damaged, "destage")
-            cache.destage_done(cf, plan, st, t0)
+                try:
+                    st, damaged = await self._backing.write_call(
+                        _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times)
+                    self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
+                except BaseException as exc:
+                    cache.destage_failed(cf)
+                    if not isinstance(exc, OSError):
+                        raise
+                    self._failed(cf, exc)
+                    return
+                if damaged:                      # left out of the write: never to BACKING
+                    cache.damaged(cf, damaged, "destage")
+                cache.destage_done(cf, plan, st, t0)
+            finally:
+                cf.meta_inflight -= 1
         self._backoff.pop(cf.ino, None)
         elapsed = max(time.monotonic() - t0, 1e-6)
         self._stats.destage_ops += 1

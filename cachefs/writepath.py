@@ -390,7 +390,10 @@ class WritePath(HeldWrites):
         cf = self.files.get(ino)
         if cf is None:
             return await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
-                                                 fd, size)
+                                                 fd, size, ino)
+        if fd is None:      # by path: before the cache is cut, the path must still be this file
+            bp.same_inode(await self.backing.read_call("truncate", bp.lstat,
+                                                       self.backing.root_fd, path), ino)
         async with self._s.file_lock(cf):
             st = await self._truncate_locked(cf, size, path, fd)
         if cf.dirty_exts:                       # a later destage must not move the mtime
@@ -451,7 +454,7 @@ class WritePath(HeldWrites):
         cf.writes_inflight += 1
         try:
             st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
-                                               fd, size)
+                                               fd, size, None if fd is not None else cf.ino)
         finally:
             cf.writes_inflight -= 1
             # Fills that read the old contents during the call may have been installed.
