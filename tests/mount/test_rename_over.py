@@ -70,7 +70,11 @@ def test_readers_of_a_file_replaced_by_rename_see_whole_versions(mounted, mode):
                 r.kill()
     assert g > 20
     for n, errors, bad in results:
-        assert n > 50 and not errors and not bad, (n, errors, bad)
+        # An open whose name is replaced while cachefs opens it gets ESTALE, and the kernel
+        # retries it once with a fresh lookup; a second replacement within that retry
+        # reaches the program (rare: docs/operations.md). Nothing else may fail.
+        stale = errors.pop("Stale file handle", 0)
+        assert n > 50 and not errors and not bad and stale * 100 <= n, (n, errors, stale, bad)
     with open(target, "rb") as f:
         assert f.read() == version(g)
     stats = m.stats()
