@@ -235,25 +235,32 @@ def unlink(root: int, path: bytes) -> tuple[os.stat_result, int]:
 
 def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
     """The lstat of a name about to be removed and, if it is the last name of a regular
-    file, an O_PATH descriptor of that file (else -1). Held while the kernel still knows the
+    file or a directory, an O_PATH descriptor of it (else -1). Held while the kernel still knows the
     inode (InodeTable.hold), it keeps BACKING from giving the inode number to a new file
     meanwhile: with FUSE node ids being BACKING's numbers, the kernel would take the new
     file for the old one (an open of the old one, raced by the rename that replaced it,
     read the new file as it was being written)."""
     fd = os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     st = os.fstat(fd)
-    if st.st_nlink > 1 or not stat_mod.S_ISREG(st.st_mode):
+    if not (stat_mod.S_ISREG(st.st_mode) and st.st_nlink == 1 or stat_mod.S_ISDIR(st.st_mode)):
         os.close(fd)
         fd = -1
     return st, fd
 
 
-def rmdir(root: int, path: bytes) -> os.stat_result:
-    """Remove a directory; its stat from just before."""
+def rmdir(root: int, path: bytes) -> tuple[os.stat_result, int]:
+    """Remove a directory; (its stat from just before, an O_PATH descriptor of it, as
+    `_holder` gives for a file: a new directory made at once, as overlayfs remakes its work
+    directory, must not get its number while the kernel still knows the removed one)."""
     with at(root, path) as (dfd, r):
-        st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
-        os.rmdir(r, dir_fd=dfd)
-        return st
+        fd = os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            os.rmdir(r, dir_fd=dfd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return st, fd
 
 
 def link(root: int, old: bytes, new: bytes) -> os.stat_result:

@@ -277,11 +277,12 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def rmdir(self, parent_inode, name, ctx):
         path = self._child(parent_inode, name)
-        st = await self._ns.rmdir(path)
+        st, held = await self._ns.rmdir(path)
         ino = self._inodes.ino_of(st)
         if self._inodes.child(parent_inode, name) == ino:
             self._removed_dirs[ino] = st
         self._inodes.unlinked(parent_inode, name)
+        self._inodes.hold(ino, held)
 
     @_errno_mapped
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):

@@ -95,7 +95,8 @@ class Namespace:
         """(the stat from just before, an O_PATH holder of a removed file or -1)"""
         return await self._backing.write_call(bp.unlink, self._root, path)
 
-    async def rmdir(self, path: bytes) -> os.stat_result:
+    async def rmdir(self, path: bytes) -> tuple[os.stat_result, int]:
+        """(the stat from just before, an O_PATH holder of the removed directory)"""
         return await self._backing.write_call(bp.rmdir, self._root, path)
 
     async def rename(self, old: bytes, new: bytes, flags: int):

@@ -79,3 +79,61 @@ def test_readers_of_a_file_replaced_by_rename_see_whole_versions(mounted, mode):
         assert f.read() == version(g)
     stats = m.stats()
     assert stats["conflicts"] == 0
+
+
+def test_a_directory_made_again_where_one_was_removed(mounted):
+    """rmdir of a directory something still holds (an open descriptor, overlayfs's work
+    directory), then mkdir of the same name: BACKING gave the new directory the removed one's
+    number, the kernel took it for the removed (dead) directory, and every lookup and create
+    in it failed with ENOENT (overlayfs could not be mounted again at once)."""
+    m = mounted
+    for round_ in range(5):
+        d = m.path("d")
+        d.mkdir()
+        (d / "x").write_bytes(b"x")
+        (d / "x").unlink()
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            d.rmdir()
+            d.mkdir()
+            (d / "f").write_bytes(b"new %d" % round_)
+            assert (d / "f").read_bytes() == b"new %d" % round_
+            assert os.listdir(d) == ["f"]
+        finally:
+            os.close(fd)
+        (d / "f").unlink()
+        d.rmdir()
+
+
+def test_overlayfs_upper_on_cachefs_mounts_again_at_once(mounted, tmp_path):
+    """overlayfs with its upper and work directories on cachefs, unmounted and mounted again
+    at once (it removes and remakes its work directory): the second mount failed with
+    ENOENT until the removed directory was forgotten."""
+    import subprocess
+    m = mounted
+    for name in ("lower", "upper", "work"):
+        m.path(name).mkdir()
+    m.path("lower", "a").write_bytes(b"lower\n")
+    m.path("lower", "gone").write_bytes(b"x")
+    ov = tmp_path / "ov"
+    ov.mkdir()
+    opts = f"lowerdir={m.path('lower')},upperdir={m.path('upper')},workdir={m.path('work')}"
+    first = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(ov)],
+                           capture_output=True, text=True)
+    if first.returncode != 0:
+        pytest.skip(f"overlayfs over cachefs cannot be mounted here: {first.stderr.strip()}")
+    try:
+        with open(ov / "a", "ab") as f:
+            f.write(b"upper\n")
+        os.unlink(ov / "gone")
+    finally:
+        subprocess.run(["umount", str(ov)], check=True)
+    for _ in range(3):
+        again = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(ov)],
+                               capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr
+        try:
+            assert (ov / "a").read_bytes() == b"lower\nupper\n"
+            assert not (ov / "gone").exists()
+        finally:
+            subprocess.run(["umount", str(ov)], check=True)
