@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 
 def unescape(field: str) -> str:
@@ -31,6 +32,28 @@ def device_of(real_mountpoint: str) -> str | None:
             if len(fields) > 4 and unescape(fields[4]) == real_mountpoint:
                 dev = fields[2].split(":")[1]
     return dev
+
+
+def users_of(real_mountpoint: str) -> list[str]:
+    """Other mounts that keep the filesystem on `real_mountpoint` in use: bind mounts of it
+    (the same device) and mounts whose options name a path in it (overlayfs's lowerdir,
+    upperdir, workdir). Unmounting it then only detaches it; the daemon serves them on."""
+    rows = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and "-" in fields:
+                rows.append((fields[2], unescape(fields[4]), fields[fields.index("-") + 3:]))
+    dev = next((d for d, mp, _ in rows if mp == real_mountpoint), None)
+    inside = real_mountpoint.rstrip("/") + "/"
+    out = []
+    for d, mp, opts in rows:
+        if mp == real_mountpoint:
+            continue
+        words = [unescape(w) for o in opts for w in re.split(r"[=,:]", o)]
+        if d == dev or any(w == real_mountpoint or w.startswith(inside) for w in words):
+            out.append(mp)
+    return out
 
 
 def resolve(path: str) -> str:

@@ -144,6 +144,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = mounttable.resolve(args.mountpoint)     # (no stat: BACKING may hang)
     if not _is_cachefs_mount(mountpoint):
         raise UserError(f"{mountpoint} is not a cachefs mount.")
+    users = mounttable.users_of(mountpoint)
+    if users:
+        raise UserError(f"{mountpoint} is still used by the mount on {users[0]} (an overlay "
+                        "or bind mount of a path in it): unmount that first.")
     if args.flush:
         from . import ctl
         rc = ctl.main(["flush", mountpoint])

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.conftest import CACHEFS, is_mounted
+
 pytestmark = pytest.mark.fuse
 
 SIZE = 32 * 40000                       # 1.28 MB: one 32-byte pattern per version
@@ -126,6 +128,10 @@ def test_overlayfs_upper_on_cachefs_mounts_again_at_once(mounted, tmp_path):
         with open(ov / "a", "ab") as f:
             f.write(b"upper\n")
         os.unlink(ov / "gone")
+        # unmounting cachefs under the overlay would only detach it: refused, with the reason
+        res = subprocess.run([*CACHEFS, "umount", str(m.mnt)], capture_output=True, text=True)
+        assert res.returncode == 2 and "still used by the mount on" in res.stderr, res
+        assert is_mounted(m.mnt)
     finally:
         subprocess.run(["umount", str(ov)], check=True)
     for _ in range(3):
