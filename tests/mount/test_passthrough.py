@@ -74,6 +74,15 @@ def open_passthrough(m, name: str) -> int:
     return fd
 
 
+def held_file(m, name: str) -> tuple[bytearray, int]:
+    """1 MiB of random bytes in BACKING's `name`, cached whole and opened read-only in
+    passthrough: (the bytes, the descriptor)."""
+    data = bytearray(os.urandom(MiB))
+    (m.backing / name).write_bytes(data)
+    cache_fully(m, name, len(data))
+    return data, open_passthrough(m, name)
+
+
 def pread_all(fd: int, size: int) -> bytes:
     return os.pread(fd, size + 4096, 0)
 
@@ -179,10 +188,7 @@ def test_writer_joins_readers_in_passthrough(pt_mount):
 
 def test_shared_writable_mmap_reaches_backing(pt_mount, mode):
     m = pt_mount
-    data = bytearray(os.urandom(MiB))
-    (m.backing / "mm").write_bytes(data)
-    cache_fully(m, "mm", len(data))
-    r = open_passthrough(m, "mm")
+    data, r = held_file(m, "mm")
     try:
         w = os.open(m.path("mm"), os.O_RDWR)
         try:
@@ -331,10 +337,7 @@ def test_kill9_while_mapped_writable_keeps_the_mappings_writes(pt_mount, mode, f
     disagreed, and an eviction would have brought the old bytes back); in write-back also
     when a destage had cleaned the blocks before the mapping wrote them again."""
     m = pt_mount
-    data = bytearray(os.urandom(MiB))
-    (m.backing / "mw").write_bytes(data)
-    cache_fully(m, "mw", len(data))
-    r = open_passthrough(m, "mw")
+    data, r = held_file(m, "mw")
     w = os.open(m.path("mw"), os.O_RDWR)
     mp = mmap.mmap(w, 0)
     try:
@@ -371,10 +374,7 @@ def test_mapped_writes_where_the_file_grew(pt_mount, mode, how):
     bytes there were never destaged, and a deferred hole punch of the truncated extents
     zeroed them in the writer's own mapping."""
     m = pt_mount
-    data = bytearray(os.urandom(MiB))
-    (m.backing / "g").write_bytes(data)
-    cache_fully(m, "g", len(data))
-    r = open_passthrough(m, "g")
+    data, r = held_file(m, "g")
     try:
         w = os.open(m.path("g"), os.O_RDWR)
         try:
@@ -420,10 +420,7 @@ def test_mapped_writes_before_a_truncate_into_their_extent(pt_mount, mode):
     through cachefs of that extent then went to BACKING, which has not got the mapping's
     bytes yet, and served them as zeros (fsx: a copy_file_range of the range)."""
     m = pt_mount
-    data = bytearray(os.urandom(MiB))
-    (m.backing / "t").write_bytes(data)
-    cache_fully(m, "t", len(data))
-    r = open_passthrough(m, "t")
+    data, r = held_file(m, "t")
     try:
         w = os.open(m.path("t"), os.O_RDWR)
         try:
@@ -450,10 +447,7 @@ def test_unmount_or_flush_right_after_a_mapped_write_takes_it_to_backing(pt_moun
     without them and the next mount took the file as written again (with a warning), and
     a flush before it did not destage them (`cachefs umount --flush`: BACKING without them)."""
     m = pt_mount
-    data = bytearray(os.urandom(MiB))
-    (m.backing / "u").write_bytes(data)
-    cache_fully(m, "u", len(data))
-    r = open_passthrough(m, "u")
+    data, r = held_file(m, "u")
     w = os.open(m.path("u"), os.O_RDWR)
     try:
         with mmap.mmap(w, 0) as mp:
