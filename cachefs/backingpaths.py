@@ -240,7 +240,9 @@ def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
     meanwhile: with FUSE node ids being BACKING's numbers, the kernel would take the new
     file for the old one (an open of the old one, raced by the rename that replaced it,
     read the new file as it was being written)."""
-    fd = os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    fd = _open_holder(dfd, r)
+    if fd < 0:
+        return os.stat(r, dir_fd=dfd, follow_symlinks=False), -1
     st = os.fstat(fd)
     if not (stat_mod.S_ISREG(st.st_mode) and st.st_nlink == 1 or stat_mod.S_ISDIR(st.st_mode)):
         os.close(fd)
@@ -248,17 +250,29 @@ def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
     return st, fd
 
 
+def _open_holder(dfd: int, r: bytes) -> int:
+    """O_PATH descriptor of `r`; -1 when out of descriptors (the removal goes on without
+    holding the number: a descriptor limit never fails an unlink)."""
+    try:
+        return os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return -1
+        raise
+
+
 def rmdir(root: int, path: bytes) -> tuple[os.stat_result, int]:
     """Remove a directory; (its stat from just before, an O_PATH descriptor of it, as
     `_holder` gives for a file: a new directory made at once, as overlayfs remakes its work
     directory, must not get its number while the kernel still knows the removed one)."""
     with at(root, path) as (dfd, r):
-        fd = os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        fd = _open_holder(dfd, r)
         try:
-            st = os.fstat(fd)
+            st = os.fstat(fd) if fd >= 0 else os.stat(r, dir_fd=dfd, follow_symlinks=False)
             os.rmdir(r, dir_fd=dfd)
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             raise
         return st, fd
 

@@ -141,3 +141,35 @@ def test_a_file_renamed_during_the_walk_is_still_found(tmp_path, monkeypatch):
         assert bp.open_by_ino(root, b"f", ino) == -1
     finally:
         os.close(root)
+
+
+def test_removing_holds_the_number_unless_out_of_descriptors(tmp_path, monkeypatch):
+    """unlink and rmdir hand back an O_PATH descriptor of what they removed (the last name
+    of a file, a directory); out of descriptors they still remove it, without one."""
+    root = bp.open_root(str(tmp_path))
+    try:
+        (tmp_path / "f").write_bytes(b"x")
+        (tmp_path / "d").mkdir()
+        st, held = bp.unlink(root, b"f")
+        assert held >= 0 and os.fstat(held).st_ino == st.st_ino
+        os.close(held)
+        st, held = bp.rmdir(root, b"d")
+        assert held >= 0
+        os.close(held)
+        (tmp_path / "g").write_bytes(b"x")
+        os.link(tmp_path / "g", tmp_path / "g2")
+        st, held = bp.unlink(root, b"g")
+        assert held == -1                   # another name is left: nothing to hold
+        real_open = os.open
+
+        def no_fds(path, flags, *args, **kwargs):
+            if flags & os.O_PATH:
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(bp.os, "open", no_fds)
+        assert bp.unlink(root, b"g2")[1] == -1 and not (tmp_path / "g2").exists()
+        (tmp_path / "e").mkdir()
+        assert bp.rmdir(root, b"e")[1] == -1 and not (tmp_path / "e").exists()
+    finally:
+        os.close(root)
