@@ -138,7 +138,7 @@ class Loader:
             job.miss(t, t.size)
             return
         try:
-            if st.st_ino != t.ino or not stat_mod.S_ISREG(st.st_mode):
+            if st.st_ino != t.ino or not stat_mod.S_ISREG(st.st_mode) or not st.st_nlink:
                 job.errors.append(f"{self._show(t.rel)}: replaced while loading")
                 job.miss(t, t.size)
                 return
@@ -178,6 +178,17 @@ class Loader:
         def nbytes(e: int) -> int:
             return max(0, min(size, (e + 1) << EXT_SHIFT) - (e << EXT_SHIFT))
 
+        if self.cache.files.get(t.ino) is not cf:
+            # Forgotten meanwhile: unused and empty, or removed (its last name gone). A
+            # removed file's state is not made again: BACKING would give its number to the
+            # next new file, whose first open would take the old bytes for a change behind us.
+            try:
+                gone = (await self.backing.read_call("open", os.fstat, fd)).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                job.miss(t, sum(nbytes(e) for e in run))
+                return
         async with self._reads:
             if job.full:
                 job.miss(t, sum(nbytes(e) for e in run))
