@@ -222,10 +222,21 @@ def symlink(root: int, target: bytes, path: bytes, uid: int, gid: int, parent: b
 
 def unlink(root: int, path: bytes) -> tuple[os.stat_result, int]:
     """Remove a name; (its stat from just before, `_holder` of the node)."""
+    return _remove(root, path, os.unlink)
+
+
+def rmdir(root: int, path: bytes) -> tuple[os.stat_result, int]:
+    """Remove a directory; (its stat from just before, `_holder` of it: a new directory
+    made at once, as overlayfs remakes its work directory, must not get its number while
+    the kernel still knows the removed one)."""
+    return _remove(root, path, os.rmdir)
+
+
+def _remove(root: int, path: bytes, remove) -> tuple[os.stat_result, int]:
     with at(root, path) as (dfd, r):
         st, fd = _holder(dfd, r)
         try:
-            os.unlink(r, dir_fd=dfd)
+            remove(r, dir_fd=dfd)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
@@ -235,46 +246,23 @@ def unlink(root: int, path: bytes) -> tuple[os.stat_result, int]:
 
 def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
     """The lstat of a name about to be removed and, if it is the last name of a regular
-    file or a directory, an O_PATH descriptor of it (else -1). Held while the kernel still knows the
-    inode (InodeTable.hold), it keeps BACKING from giving the inode number to a new file
-    meanwhile: with FUSE node ids being BACKING's numbers, the kernel would take the new
-    file for the old one (an open of the old one, raced by the rename that replaced it,
-    read the new file as it was being written)."""
-    fd = _open_holder(dfd, r)
-    if fd < 0:
+    file or a directory, an O_PATH descriptor of it (else -1). Held while the kernel still
+    knows the inode (InodeTable.hold), it keeps BACKING from giving the inode number to a
+    new file meanwhile: with FUSE node ids being BACKING's numbers, the kernel would take
+    the new file for the old one (an open of the old one, raced by the rename that
+    replaced it, read the new file as it was being written). Out of descriptors (EMFILE),
+    the removal goes on without one: a descriptor limit never fails an unlink."""
+    try:
+        fd = os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
         return os.stat(r, dir_fd=dfd, follow_symlinks=False), -1
     st = os.fstat(fd)
     if not (stat_mod.S_ISREG(st.st_mode) and st.st_nlink == 1 or stat_mod.S_ISDIR(st.st_mode)):
         os.close(fd)
         fd = -1
     return st, fd
-
-
-def _open_holder(dfd: int, r: bytes) -> int:
-    """O_PATH descriptor of `r`; -1 when out of descriptors (the removal goes on without
-    holding the number: a descriptor limit never fails an unlink)."""
-    try:
-        return os.open(r, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            return -1
-        raise
-
-
-def rmdir(root: int, path: bytes) -> tuple[os.stat_result, int]:
-    """Remove a directory; (its stat from just before, an O_PATH descriptor of it, as
-    `_holder` gives for a file: a new directory made at once, as overlayfs remakes its work
-    directory, must not get its number while the kernel still knows the removed one)."""
-    with at(root, path) as (dfd, r):
-        fd = _open_holder(dfd, r)
-        try:
-            st = os.fstat(fd) if fd >= 0 else os.stat(r, dir_fd=dfd, follow_symlinks=False)
-            os.rmdir(r, dir_fd=dfd)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            raise
-        return st, fd
 
 
 def link(root: int, old: bytes, new: bytes) -> os.stat_result:
