@@ -249,19 +249,20 @@ class Operations(pyfuse3.Operations):
         path = self._child(parent_inode, name)
         ino = self._inodes.child(parent_inode, name)
         guarded = await self._last_link(ino, path)
-        if guarded:
-            st, held = await self._cache.unlink_guarded(ino, lambda: self._ns.unlink(path))
-        else:
-            st, held = await self._ns.unlink(path)
-        self._inodes.unlinked(parent_inode, name)
-        self._inodes.hold(self._inodes.ino_of(st), held)
-        if stat_mod.S_ISREG(st.st_mode):
-            if st.st_nlink <= 1:
-                self._cache.last_link_removed(self._inodes.ino_of(st))
-            else:                       # the other names' inode lost a link: its ctime moved
-                if guarded:
-                    self._cache.unlink_intent_clear(ino)
-                self._cache.own_metadata_change(self._inodes.ino_of(st), None)
+        with self._cache.changing(ino):
+            if guarded:
+                st, held = await self._cache.unlink_guarded(ino, lambda: self._ns.unlink(path))
+            else:
+                st, held = await self._ns.unlink(path)
+            self._inodes.unlinked(parent_inode, name)
+            self._inodes.hold(self._inodes.ino_of(st), held)
+            if stat_mod.S_ISREG(st.st_mode):
+                if st.st_nlink <= 1:
+                    self._cache.last_link_removed(self._inodes.ino_of(st))
+                else:                   # the other names' inode lost a link: its ctime moved
+                    if guarded:
+                        self._cache.unlink_intent_clear(ino)
+                    self._cache.own_metadata_change(self._inodes.ino_of(st), None)
 
     async def _last_link(self, ino: int | None, path: bytes) -> bool:
         """Whether removing `path` removes the last name of cached file `ino` (write-back
