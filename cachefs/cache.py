@@ -356,8 +356,9 @@ class Cache:
         cf.wb_fd = fd
 
     def take_idle_wb_fd(self, cf: CachedFile) -> int:
-        """The destager's BACKING fd of a file that is clean and closed, to close; or -1."""
-        if cf.dirty_exts or cf.open_count or cf.wb_fd < 0:
+        """The destager's BACKING fd of a file that is clean and closed, or that the engine
+        let go of during the pass, to close; or -1."""
+        if cf.wb_fd < 0 or self.files.get(cf.ino) is cf and (cf.dirty_exts or cf.open_count):
             return -1
         fd, cf.wb_fd = cf.wb_fd, -1
         return fd

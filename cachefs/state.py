@@ -225,15 +225,23 @@ class CacheState:
         cf = self.files.get(ino)
         if cf is not None and cf.open_count == 0 and not cf.extents and not cf.fills:
             del self.files[ino]
+            self._close_wb_fd(cf)
 
     def discard(self, cf: CachedFile) -> None:
         self.drop_file(cf)
         self.cachefiles.close_idle(cf)
-        if cf.wb_fd >= 0 and not (cf.lock is not None and cf.lock.locked()):
-            os.close(cf.wb_fd)          # unlinked: no BACKING flush to wait for
-            cf.wb_fd = -1               # (while destaging, the destager closes it after)
+        self._close_wb_fd(cf)           # unlinked: no BACKING flush to wait for
         del self.files[cf.ino]
         self.cachefiles.remove(cf.ino)
+
+    @staticmethod
+    def _close_wb_fd(cf: CachedFile) -> None:
+        """Close the destager's BACKING descriptor of a file the engine lets go of (kept
+        open, it held a deleted file's space on BACKING until the unmount); while a destage
+        pass holds the file, the destager closes it after (Cache.take_idle_wb_fd)."""
+        if cf.wb_fd >= 0 and not (cf.lock is not None and cf.lock.locked()):
+            os.close(cf.wb_fd)
+            cf.wb_fd = -1
 
     def file_for(self, ino: int, st: os.stat_result | None = None) -> CachedFile:
         """The cache state of inode `ino`; a fresh one if the old file of that number was
@@ -247,6 +255,7 @@ class CacheState:
         if cf is not None and cf.doomed and (st is None or st.st_nlink > 0 and
                                              not cf.open_count and identity(st) != cf.identity):
             self.drop_file(cf)                  # its old handles now read BACKING's old inode
+            self._close_wb_fd(cf)
             cf = None
         if cf is None:
             cf = self.files[ino] = CachedFile(ino)

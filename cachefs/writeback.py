@@ -248,6 +248,18 @@ class Destager:
         return None, 0
 
     async def _destage(self, cf: "CachedFile", start_ext: int = 0) -> None:
+        """One destage pass of `cf`; then its BACKING descriptor is closed if the file is
+        clean and closed, or was let go of meanwhile (whichever way the pass ended: a file
+        removed while the pass held it kept a deleted file's descriptor to the unmount)."""
+        try:
+            await self._destage_pass(cf, start_ext)
+        finally:
+            fd = self._cache.take_idle_wb_fd(cf)
+            if fd >= 0:
+                with trio.CancelScope(shield=True):
+                    await self._backing.write_call(os.close, fd)
+
+    async def _destage_pass(self, cf: "CachedFile", start_ext: int) -> None:
         cache = self._cache
         async with cache.file_lock(cf):
             if not cf.dirty_exts:
@@ -303,9 +315,6 @@ class Destager:
             self.rate = sample if not self.rate else 0.7 * self.rate + 0.3 * sample
         if self._engaged_s is not None:
             self._check_release()
-        fd = cache.take_idle_wb_fd(cf)
-        if fd >= 0:
-            await self._backing.write_call(os.close, fd)
 
     def _failed(self, cf: "CachedFile", exc: OSError) -> None:
         self._stats.destage_errors += 1

@@ -143,3 +143,20 @@ def test_overlayfs_upper_on_cachefs_mounts_again_at_once(mounted, tmp_path):
             assert not (ov / "gone").exists()
         finally:
             subprocess.run(["umount", str(ov)], check=True)
+
+
+def test_removed_write_back_files_leave_no_descriptor_open(make_mount):
+    """Write-back: a file removed while the destager waited for its lock kept the
+    destager's BACKING descriptor open until the unmount (a deleted file's space on
+    BACKING; git checkouts left more each run)."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "0.05", "--dirty-low", "0")
+    pid = m.stats()["pid"]
+    for i in range(300):
+        p = m.path(f"f{i % 7}")
+        p.write_bytes(os.urandom(8192 + i))
+        time.sleep(0.002 * (i % 5))
+        p.unlink()
+    time.sleep(1.5)
+    left = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    deleted = [t for t in left if t.endswith("(deleted)") and str(m.backing) in t]
+    assert not deleted, deleted
