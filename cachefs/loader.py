@@ -178,23 +178,25 @@ class Loader:
         def nbytes(e: int) -> int:
             return max(0, min(size, (e + 1) << EXT_SHIFT) - (e << EXT_SHIFT))
 
-        if self.cache.files.get(t.ino) is not cf:
-            # Forgotten meanwhile: unused and empty, or removed (its last name gone). A
-            # removed file's state is not made again: BACKING would give its number to the
-            # next new file, whose first open would take the old bytes for a change behind us.
-            try:
-                gone = (await self.backing.read_call("open", os.fstat, fd)).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
-                job.miss(t, sum(nbytes(e) for e in run))
-                return
         async with self._reads:
             if job.full:
                 job.miss(t, sum(nbytes(e) for e in run))
                 return
             cache = self.cache
-            if cache.files.get(t.ino) is not cf:    # forgotten meanwhile (no data, unused)
+            if cache.files.get(t.ino) is not cf:
+                # Forgotten meanwhile: unused and empty, or removed (its last name gone), also
+                # while this run waited for its slot. A removed file's state is not made
+                # again: BACKING would give its number to the next new file, whose first open
+                # would take the old bytes for a change behind us. (A removal after this
+                # check finds the state made here and discards it.)
+                try:
+                    gone = (await self.backing.read_call("open", os.fstat, fd)).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    job.miss(t, sum(nbytes(e) for e in run))
+                    return
+            if cache.files.get(t.ino) is not cf:
                 cf = cache.file_state(t.ino)
                 if cf.identity is None:
                     cache.revalidate(cf, st)

@@ -187,3 +187,31 @@ async def test_a_miss_racing_the_destage_of_a_dirty_block_in_its_range_is_not_st
     assert got[0][:BLK] == new, "the read answered block 0 as it was before the write"
     assert eng.cache.stats.overlay_rereads == 1
     eng.cache.release(of)
+
+
+async def test_a_file_removed_while_a_prefetch_waits_for_a_read_slot_gets_no_cache_state(engine):
+    """A prefetch of a 10 MiB file has 5 BACKING reads of 2 MiB, 4 at once: the fifth waits
+    for a slot. The file is renamed over (its last name gone) while the first four read.
+    Before the fix the fifth, checked before it waited, made the removed file's state
+    again and cached its last 2 MiB for good: space of a file nobody can open, and a false
+    'changed behind the cache' once BACKING gives the number to a new file."""
+    from cachefs.loader import PARALLEL_READS, READ_EXTS, Job, Loader, Target
+    eng = engine(pool_exts=256, mode="write-through")
+    runs = PARALLEL_READS + 1
+    eng.make_file("f", os.urandom(runs * READ_EXTS * EXT))
+    ino = os.stat(eng.backing_dir / "f").st_ino
+    eng.backing.inline = False
+    eng.backing.delay_s = 0.3
+    loader = Loader(eng.cache, eng.backing, eng.cache.stats, lambda rel: rel.decode())
+    target = Target(b"f", b"f", ino, runs * READ_EXTS * EXT)
+    job = Job()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loader._load_file, target, job)
+        await trio.sleep(0.4)                           # opened; the first four reads run
+        assert eng.cache.files[ino].fills
+        eng.make_file("g", b"new")
+        os.rename(eng.backing_dir / "g", eng.backing_dir / "f")
+        eng.cache.last_link_removed(ino)
+    assert ino not in eng.cache.files
+    assert len(eng.cache.state.pool) == 0 and eng.cache.state.used_bytes() == 0
+    assert job.loaded == 0
