@@ -131,6 +131,13 @@ class Cache:
             cf.path = new_path
             self.state.persist_identity(cf)
 
+    def backing_changed(self, ino: int) -> None:
+        """cachefs changed BACKING's file itself (its attributes): the next write-back fsync
+        syncs BACKING's file too (WritePath.fsync)."""
+        cf = self.files.get(ino)
+        if cf is not None:
+            cf.backing_unsynced = True
+
     def last_link_removed(self, ino: int) -> None:
         """BACKING no longer has the file: its data goes now, or at the last release."""
         if self.pins is not None:
@@ -246,6 +253,7 @@ class Cache:
         cf = self.state.file_for(ino)
         self.coherence.revalidate(cf, st)
         cf.path = path
+        cf.backing_unsynced = True      # write-back: its first fsync makes BACKING's file durable
         cf.open_count += 1
         if flags & os.O_TRUNC and (st.st_size or cf.size):     # it existed: truncate it
             try:

@@ -93,7 +93,7 @@ class CachedFile:
                  "fills", "writes_inflight", "meta_inflight", "doomed", "path", "wb_fd",
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
-                 "shrinking", "held", "verified", "times")
+                 "shrinking", "held", "verified", "times", "backing_unsynced")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -121,10 +121,13 @@ class CachedFile:
         self.held = None                   # openmode.Held while the kernel may read the
                                            # cache file itself (passthrough opens, mappings)
         self.verified = True               # every block checked or written by this mount
-        self.times = None                  # write-back: (atime_ns, mtime_ns) BACKING gets
-                                           # after the dirty data (state.set_times)
-                                           # while dirty, put back on BACKING by destaging
                                            # (False when loaded: verify.py before passthrough)
+        self.times = None                  # write-back: (atime_ns, mtime_ns) BACKING gets
+                                           # after the dirty data (state.set_times), put
+                                           # back on BACKING by destaging while dirty
+        # write-back: BACKING itself was changed (created, written around the cache,
+        # truncated, attributes set) since the last fsync, which must then sync BACKING too
+        self.backing_unsynced = False
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""

@@ -215,6 +215,7 @@ class Operations(pyfuse3.Operations):
                     st = await self._ns.kill_suidgid(inode, path, fd) or st
                 self._cache.own_metadata_change(inode, st,
                                                 times_set=bool(fields.update_mtime))
+                self._cache.backing_changed(inode)
             if fields.update_mtime:
                 self._cache.times_set(inode, st)
         return self._attr(st, inode)
@@ -516,6 +517,7 @@ class Operations(pyfuse3.Operations):
             finally:
                 self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
+        self._cache.backing_changed(inode)
 
     @_errno_mapped
     async def removexattr(self, inode, name, ctx):
@@ -526,6 +528,7 @@ class Operations(pyfuse3.Operations):
             finally:
                 self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
+        self._cache.backing_changed(inode)
 
 
 def _file_info(a: Answer) -> pyfuse3.FileInfo:

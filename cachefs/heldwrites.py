@@ -42,6 +42,7 @@ class HeldWrites:
         old_size = cf.size
         cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
         cf.writes_inflight += 1
+        cf.backing_unsynced = True              # write-back (around the cache): see fsync
         try:
             written, st = await self.backing.pwrite_stat(of.backing_fd, direct_fd, data, off)
         finally:

@@ -217,6 +217,7 @@ class WritePath(HeldWrites):
                                       whole=covered_mask(bs - base, bt - base, cf.size - base))
                 self._s.map.invalidate(cf, x, m)
             cf.writes_inflight += 1
+            cf.backing_unsynced = True          # an fsync must sync BACKING for this write
             try:
                 written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
             finally:
@@ -389,8 +390,11 @@ class WritePath(HeldWrites):
         """Change a file's size in BACKING, dropping cached blocks past the new end."""
         cf = self.files.get(ino)
         if cf is None:
-            return await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
-                                                 fd, size, ino)
+            st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
+                                               fd, size, ino)
+            if self.write_back:     # no state to remember it for the next fsync: sync now
+                await self.backing.write_call(bp.fsync_path, self.backing.root_fd, path, True)
+            return st
         if fd is None:      # by path: before the cache is cut, the path must still be this file
             bp.same_inode(await self.backing.read_call("truncate", bp.lstat,
                                                        self.backing.root_fd, path), ino)
@@ -452,6 +456,7 @@ class WritePath(HeldWrites):
                 cf.shrinking.set()
                 cf.shrinking = None
         cf.writes_inflight += 1
+        cf.backing_unsynced = True
         try:
             st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
                                                fd, size, None if fd is not None else cf.ino)
@@ -468,10 +473,22 @@ class WritePath(HeldWrites):
         return st
 
     async def fsync(self, of: OpenFile, datasync: bool) -> None:
-        """Write-back: data and the metadata naming it durable on the SSD. Write-through:
+        """Write-back: data and the metadata naming it durable on the SSD, and what cachefs
+        did to BACKING's file itself since the last fsync (its creation, writes that went
+        around the cache, truncates, attributes): BACKING's fsync too. Write-through:
         BACKING's fsync."""
         if self.write_back:
             await self.persister.persist(durable=True)
+            cf = of.cfile
+            if not cf.backing_unsynced:
+                return
+            cf.backing_unsynced = False
+            try:
+                await self.backing.write_call(os.fdatasync if datasync else os.fsync,
+                                              of.backing_fd)
+            except BaseException:
+                cf.backing_unsynced = True
+                raise
         else:
             await self.backing.write_call(os.fdatasync if datasync else os.fsync,
                                           of.backing_fd)
