@@ -366,6 +366,16 @@ def truncate_stat(root: int, path: bytes, fd: int | None, size: int, ino: int | 
         os.close(fd)
 
 
+def fallocate_stat(fd: int, mode: int, off: int, size: int) -> os.stat_result:
+    """fallocate(2) on a BACKING file (any mode: Python has only posix_fallocate)."""
+    libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                               ctypes.c_longlong)
+    if libc.fallocate(fd, mode, off, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fresh_fstat(fd)
+
+
 def scandir(root: int, path: bytes) -> list[tuple[bytes, os.stat_result]]:
     """A directory's entries with their lstat, as a snapshot."""
     out = []

@@ -71,6 +71,7 @@ class Cache:
         self.run_readahead = self.reads.run_readahead
         self.write = self.writes.write
         self.truncate = self.writes.truncate
+        self.fallocate = self.writes.fallocate
         self.fsync = self.writes.fsync
         self.stat_token = self.coherence.stat_token
         self.revalidate = self.coherence.revalidate

@@ -401,6 +401,13 @@ class Operations(pyfuse3.Operations):
             self._cache.own_metadata_change(of.ino, st)
         return st
 
+    @_errno_mapped
+    async def fallocate(self, fh, mode, offset, length):
+        # (a pyfuse3 with deps/passthrough's fallocate patch calls this; the stock one does
+        # not, and the kernel answers fallocate(2) with EOPNOTSUPP)
+        of = self._open[fh]
+        await self._cache.fallocate(of, mode, offset, length)
+
     async def flush(self, fh):
         # Nothing to do at a close(2): ENOSYS makes the kernel stop sending FLUSH at all, one
         # request less per close (it still writes dirty mmap pages back before it would ask).

@@ -3,7 +3,7 @@ cache file, blocks turn dirty; flow control first), write-around (write-back whe
 cannot take it), truncate and fsync.
 
 Owns `WritePath` (the writes to files the kernel reads by itself, in passthrough, are its
-base `HeldWrites`, heldwrites.py). Its bracketing of awaits: promotions in flight are overtaken by writes and
+base `HeldWrites`, heldwrites.py; fallocate(2) is its base `Allocations`, allocate.py). Its bracketing of awaits: promotions in flight are overtaken by writes and
 truncates (`CachedFile.fills`), write-through updates the cached blocks no other write
 touched while it was in flight, unless a truncate came meanwhile (`CachedFile.wtrack`,
 `trunc_seq`).
@@ -22,6 +22,7 @@ from .coherence import Coherence
 from .config import BLK_SIZE, EXT_SIZE
 from .extentmap import spans
 from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask, runs
+from .allocate import Allocations
 from .heldwrites import HeldWrites
 from .hit import OpenFile
 from .state import CacheState
@@ -32,7 +33,7 @@ log = logging.getLogger("cachefs.writepath")
 
 NO_ROOM, OVERTAKEN = "no room", "overtaken"     # why a fill for a partial write failed
 
-class WritePath(HeldWrites):
+class WritePath(HeldWrites, Allocations):
     def __init__(self, state: CacheState, coherence: Coherence, destager: Destager):
         self._s = state
         self._c = coherence
@@ -393,7 +394,11 @@ class WritePath(HeldWrites):
             st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
                                                fd, size, ino)
             if self.write_back:     # no state to remember it for the next fsync: sync now
-                await self.backing.write_call(bp.fsync_path, self.backing.root_fd, path, True)
+                if fd is not None:
+                    await self.backing.write_call(os.fdatasync, fd)
+                else:
+                    await self.backing.write_call(bp.fsync_path, self.backing.root_fd, path,
+                                                  True)
             return st
         if fd is None:      # by path: before the cache is cut, the path must still be this file
             bp.same_inode(await self.backing.read_call("truncate", bp.lstat,

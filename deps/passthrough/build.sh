@@ -37,9 +37,11 @@ PYFUSE3_SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 FUSE3_MIN=3.17.1
 # Applied in this order: FUSE passthrough, then taking queued requests without a scheduler pass,
 # then FUSE_CAP_HANDLE_KILLPRIV_V2 (needs the libfuse patch: the kernel's kill-suid/sgid flags),
-# then FUSE_CAP_DONT_MASK with POSIX ACLs (default ACLs replace the umask).
+# then FUSE_CAP_DONT_MASK with POSIX ACLs (default ACLs replace the umask), then the
+# fallocate operation.
 PATCHES=("$HERE/pyfuse3-passthrough.patch" "$HERE/pyfuse3-queued-requests.patch"
-         "$HERE/pyfuse3-kill-suidgid.patch" "$HERE/pyfuse3-acl-dont-mask.patch")
+         "$HERE/pyfuse3-kill-suidgid.patch" "$HERE/pyfuse3-acl-dont-mask.patch"
+         "$HERE/pyfuse3-fallocate.patch")
 LIBFUSE_PATCHES=("$HERE/libfuse-kill-suidgid.patch")
 REQS=$HERE/build-requirements.txt
 

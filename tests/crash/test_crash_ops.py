@@ -1,7 +1,8 @@
 """Crash safety of write-back under every kind of file operation (issue 8, item 3).
 
 Seeded rounds: on a few files, a random sequence of writes (random offsets and sizes, some
-extending, some sub-4 KiB and unaligned), truncates down and up (ftruncate, truncate by path,
+extending, some sub-4 KiB and unaligned), fallocates (allocating, punching and zeroing
+ranges, some growing the file), truncates down and up (ftruncate, truncate by path,
 O_TRUNC opens), renames (also over an existing file), unlinks (also of files still open),
 fsyncs and fdatasyncs, reads, closes and reopens; then kill -9 of the daemon, either right
 after the operations (after a random pause: before or after the next metadata commit and
@@ -39,6 +40,7 @@ import pytest
 
 from tests.conftest import (close_quietly, ctl_drop, ctl_flush, env_long, env_seed, tree_view,
                             wait_until)
+from tests.mount.test_random_ops import FALLOC_MODES, fallocate, fallocate_works
 
 BLK = 4096
 NAMES = [f"f{i}" for i in range(5)]
@@ -156,6 +158,7 @@ class Runner:
         self.handles: list[Handle] = []
         self.trace: list[tuple] = []
         self.pending: dict[str, FileState] | None = None
+        self.fallocate_ok: bool | None = None
 
     def p(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -176,6 +179,8 @@ class Runner:
         for name in sorted(os.listdir(self.root)):
             os.unlink(self.p(name))
         self.ns.clear()
+        if self.fallocate_ok is None:
+            self.fallocate_ok = fallocate_works(self.root)
         for name in rng.sample(NAMES, nfiles):
             data = rng.randbytes(rng.choice([0, rng.randrange(1, 8192), rng.randrange(1, 600_000),
                                              rng.randrange(1, 150) * BLK]))
@@ -202,10 +207,13 @@ class Runner:
     def step(self) -> None:
         rng = self.rng
         op = rng.choices(["write", "truncate", "otrunc", "create", "rename", "unlink", "fsync",
-                          "close", "reopen", "read"],
-                         [36, 10, 3, 4, 6, 5, 8, 4, 6, 8])[0]
+                          "close", "reopen", "read", "fallocate"],
+                         [36, 10, 3, 4, 6, 5, 8, 4, 6, 8, 4])[0]
         names = sorted(self.ns)
-        if op in ("write", "truncate", "fsync", "read", "close") and not self.handles:
+        if op == "fallocate" and not self.fallocate_ok:
+            op = "write"
+        if op in ("write", "truncate", "fsync", "read", "close", "fallocate") and \
+                not self.handles:
             op = "reopen"
         if op in ("reopen", "otrunc", "rename", "unlink") and not names:
             op = "create"
@@ -234,6 +242,23 @@ class Runner:
                 os.truncate(self.p(h.name), new)
             else:
                 os.ftruncate(h.fd, new)
+        elif op == "fallocate":
+            h = rng.choice(self.handles)
+            mode = rng.choice(FALLOC_MODES)
+            off, n = self._write_args(h.f)
+            n = rng.choice([n, rng.randrange(1, 300_000)])
+            end = min(off + n, MAX_SIZE)
+            n = end - off
+            if n <= 0:
+                return
+            self.trace.append(("fallocate", h.name, h.f.id, mode, off, n))
+            if mode & 0x12:                         # PUNCH_HOLE, ZERO_RANGE: zeros
+                hi = min(end, len(h.f.content))
+                if off < hi:
+                    h.f.write(off, bytes(hi - off))
+            if not mode & 0x01 and end > len(h.f.content):
+                h.f.truncate(end)                   # no KEEP_SIZE: the file may grow
+            fallocate(h.fd, mode, off, n)
         elif op == "otrunc":
             name = rng.choice(names)
             self.trace.append(("open O_TRUNC", name, self.ns[name].id))

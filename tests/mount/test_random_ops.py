@@ -1,4 +1,5 @@
-"""A seeded random mix of reads, writes, truncates, renames, unlinks, reopenings and xattrs over
+"""A seeded random mix of reads, writes, truncates, fallocates (allocate, punch, zero), renames,
+unlinks, reopenings and xattrs over
 a few files, checked against an in-memory model, with a small cache so promotion, eviction and
 in-place updates all happen, and remounts in the middle.
 
@@ -13,6 +14,7 @@ so a failure on cachefs is a cachefs bug, not a model bug.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import random
@@ -25,6 +27,36 @@ NAMES = [f"file{i}" for i in range(6)]
 MAX_SIZE = 600 * 1024
 XATTRS = ["user.a", "user.b", "user.c"]
 MAX_HANDLES = 10
+
+
+# fallocate(2) modes the kernel passes to FUSE: default, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE,
+# ZERO_RANGE, ZERO_RANGE|KEEP_SIZE
+FALLOC_MODES = [0, 0x01, 0x03, 0x10, 0x11]
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
+
+
+def fallocate(fd: int, mode: int, off: int, size: int) -> None:
+    if _libc.fallocate(fd, mode, off, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def fallocate_works(root) -> bool:
+    """Whether `root` takes fallocate(2) (a cachefs on a pyfuse3 without deps/passthrough's
+    fallocate patch does not: the kernel answers EOPNOTSUPP)."""
+    p = os.path.join(root, ".fallocate-probe")
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fallocate(fd, 0x03, 0, 4096)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EOPNOTSUPP:
+            raise
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(p)
 
 
 def flush(m):
@@ -79,6 +111,7 @@ class Model:
         self.handles: list[Handle] = []
         self.trace: list[tuple] = []           # the recent operations, shown on a failure
         self.counts: dict[str, int] = {}
+        self.fallocate_ok = fallocate_works(root)
 
     def p(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -131,10 +164,12 @@ class Model:
     def step(self) -> None:
         rng = self.rng
         op = rng.choices(["create", "read", "write", "truncate", "rename", "unlink", "reopen",
-                          "close", "xattr", "fstat"],
-                         [1, 3, 3, 1, 1, 1, 1, 1, 1.2, 0.5])[0]
+                          "close", "xattr", "fstat", "fallocate"],
+                         [1, 3, 3, 1, 1, 1, 1, 1, 1.2, 0.5, 0.8])[0]
         if op == "create" or (not self.files and not self.handles):
             op = "create"
+        if op == "fallocate" and not self.fallocate_ok:
+            op = "write"
         self.counts[op] = self.counts.get(op, 0) + 1
         try:
             getattr(self, "op_" + op)()
@@ -223,6 +258,27 @@ class Model:
             self.trace.append(("ftruncate", h.name, f.id, size, h.acc))
             os.ftruncate(h.fd, size)
         f.truncate(size)
+
+    def op_fallocate(self) -> None:
+        rng = self.rng
+        h = self.handle("w")
+        if h is None:
+            return
+        f = h.f
+        mode = rng.choice(FALLOC_MODES)
+        off = rng.randrange(0, min(len(f.data) + 8192, self.max_size))
+        if rng.random() < 0.5:
+            off &= ~4095
+        size = rng.choice([1, 4096, 10000, 65536, rng.randrange(1, 200000)])
+        self.trace.append(("fallocate", h.name, f.id, mode, off, size, h.acc))
+        fallocate(h.fd, mode, off, size)
+        end = off + size
+        if mode & 0x12:                             # PUNCH_HOLE, ZERO_RANGE: zeros in the file
+            hi = min(end, len(f.data))
+            if off < hi:
+                f.data[off:hi] = bytes(hi - off)
+        if not mode & 0x01 and end > len(f.data):   # no KEEP_SIZE: the file may grow
+            f.truncate(end)
 
     def op_rename(self) -> None:
         rng = self.rng
@@ -368,7 +424,8 @@ def test_random_operations_match_model(make_mount, mode, seed):
                              f"the test parameter seed={param}): {exc}") from None
     add_stats()
     assert totals["hit_ops"] and totals["promotions"], totals   # the cache took part
-    for op in ("xattr", "unlink", "rename", "write", "read"):
+    for op in ("xattr", "unlink", "rename", "write", "read") + (
+            ("fallocate",) if model.fallocate_ok else ()):
         assert model.counts.get(op, 0) > 20, model.counts
     if mode == "write-back":
         assert totals["destaged_bytes"] and totals["throttled_writes"], totals

@@ -1,0 +1,189 @@
+"""fallocate(2) through cachefs: space reserved on BACKING, holes punched, ranges zeroed, as on
+BACKING itself, over cached, dirty and passthrough-read data.
+
+Each case is also run on a plain file of the test's own filesystem, and cachefs must give
+the same bytes and size: through the mount, in BACKING after a flush, and after a remount.
+Needs a pyfuse3 with deps/passthrough's fallocate patch (without it the kernel answers
+EOPNOTSUPP, as documented)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ctl_flush, force_unmount, wait_until, is_mounted
+from tests.mount.test_passthrough import _available, held_file, pread_all
+from tests.mount.test_random_ops import fallocate, fallocate_works
+
+pytestmark = pytest.mark.fuse
+
+KiB = 1024
+KEEP, PUNCH, ZERO = 0x01, 0x02, 0x10
+
+# (mode, offset, length) over a 300 KiB file: inside, across its end, past it, unaligned
+CASES = [
+    (0, 100 * KiB, 500 * KiB),                 # grows the file
+    (KEEP, 200 * KiB, 400 * KiB),              # reserves, size kept
+    (PUNCH | KEEP, 64 * KiB, 128 * KiB),       # whole extents
+    (PUNCH | KEEP, 5000, 70000),               # partial blocks at both ends
+    (PUNCH | KEEP, 290 * KiB, 100 * KiB),      # across the end: size kept
+    (ZERO, 10 * KiB + 7, 30 * KiB),
+    (ZERO, 250 * KiB, 200 * KiB),              # across the end: grows
+    (ZERO | KEEP, 250 * KiB, 200 * KiB),
+]
+
+
+@pytest.fixture
+def fa_mount(make_mount, mode):
+    m = make_mount("--mode", mode, "--cache-size", "4M", "--attr-timeout", "0.2")
+    if not fallocate_works(m.mnt):
+        pytest.skip("pyfuse3 without deps/passthrough's fallocate patch")
+    return m
+
+
+def apply(path, data: bytes, case, dirty: bytes | None) -> tuple[int, bytes]:
+    """`data` in a file at `path` (already there), an optional write of `dirty` at 32 KiB,
+    the fallocate; returns (size, bytes) read back."""
+    mode, off, size = case
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if dirty is not None:
+            os.pwrite(fd, dirty, 32 * KiB)
+        fallocate(fd, mode, off, size)
+        st = os.fstat(fd)
+        return st.st_size, pread_all(fd, st.st_size + 100 * KiB)
+    finally:
+        os.close(fd)
+
+
+def read_back(path) -> tuple[int, bytes]:
+    with open(path, "rb") as f:
+        return os.fstat(f.fileno()).st_size, f.read()
+
+
+@pytest.mark.parametrize("cached", ["cold", "cached", "dirty"])
+def test_fallocate_matches_a_plain_file(fa_mount, tmp_path, mode, cached):
+    m = fa_mount
+    wants = {}
+    for i, case in enumerate(CASES):
+        data = os.urandom(300 * KiB)
+        dirty = os.urandom(200 * KiB) if cached == "dirty" else None
+        ref = tmp_path / f"ref{i}"
+        ref.write_bytes(data)
+        want = wants[f"f{i}"] = apply(ref, data, case, dirty)
+        (m.backing / f"f{i}").write_bytes(data)
+        if cached != "cold":
+            before = m.stats()["extents_cached"]
+            for _ in range(2):
+                m.path(f"f{i}").read_bytes()
+            wait_until(lambda: m.stats()["extents_cached"] >= before + 5, 15, what="promotion")
+        got = apply(m.path(f"f{i}"), data, case, dirty)
+        assert got[0] == want[0], f"size after fallocate {case}"
+        assert got[1] == want[1], f"bytes after fallocate {case}"
+        assert read_back(m.path(f"f{i}")) == want, f"bytes read by a new open {case}"
+    if mode == "write-back":
+        ctl_flush(m)
+    m.restart()
+    for name, want in wants.items():
+        assert read_back(m.path(name)) == want, f"{name} after a remount"
+        assert read_back(m.backing / name) == want, f"{name} in BACKING after the flush"
+
+
+def test_a_punch_is_seen_by_passthrough_readers(fa_mount):
+    m = fa_mount
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    data, reader = held_file(m, "h")
+    try:
+        fd = os.open(m.path("h"), os.O_RDWR)
+        try:
+            fallocate(fd, PUNCH | KEEP, 100 * KiB, 300 * KiB)
+            fallocate(fd, ZERO, 900 * KiB, 200 * KiB)         # grows it to 1100 KiB
+        finally:
+            os.close(fd)
+        want = bytearray(data)
+        want[100 * KiB:400 * KiB] = bytes(300 * KiB)
+        want[900 * KiB:] = bytes(len(want) - 900 * KiB)
+        want.extend(bytes(1100 * KiB - len(want)))
+        assert pread_all(reader, len(want)) == bytes(want), "the passthrough reader's view"
+    finally:
+        os.close(reader)
+    assert m.path("h").read_bytes() == bytes(want)
+    ctl_flush(m)
+    assert (m.backing / "h").read_bytes() == bytes(want)
+
+
+def test_posix_fallocate_reserves_without_writing(fa_mount):
+    """posix_fallocate(3) is one request, not a write of every block (glibc's fallback when
+    a file system has no fallocate: 64 Ki writes for this 256 MiB)."""
+    m = fa_mount
+    before = m.stats()["write_ops"]
+    fd = os.open(m.path("big"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, 256 << 20)
+        assert os.fstat(fd).st_size == 256 << 20
+    finally:
+        os.close(fd)
+    assert m.stats()["write_ops"] == before
+    assert (m.backing / "big").stat().st_blocks * 512 >= 256 << 20, "BACKING reserved it"
+
+
+def test_a_backing_without_fallocate_says_so_and_changes_nothing(make_mount, tmp_path):
+    """A BACKING that has no fallocate (a Python FUSE file system here; NFSv3 in the field):
+    EOPNOTSUPP, and write-back's dirty bytes in the range stay."""
+    import pyfuse3
+    if not hasattr(pyfuse3.Operations, "fallocate"):
+        pytest.skip("pyfuse3 without deps/passthrough's fallocate patch")
+    src, bare = tmp_path / "src", tmp_path / "bare"
+    src.mkdir()
+    bare.mkdir()
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..",
+                                                          "bench", "passthrough.py"),
+                             "mount", "-f", str(src), str(bare)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: is_mounted(bare), 20, proc, "the bare passthrough")
+        m = make_mount("--mode", "write-back", backing=bare)
+        data = os.urandom(128 * KiB)
+        fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            with pytest.raises(OSError) as exc:
+                fallocate(fd, PUNCH | KEEP, 0, 64 * KiB)
+            assert exc.value.errno == errno.EOPNOTSUPP
+            assert os.pread(fd, len(data) + 1, 0) == data
+        finally:
+            os.close(fd)
+        ctl_flush(m)
+        assert (src / "f").read_bytes() == data
+        m.stop()
+    finally:
+        force_unmount(bare)
+        proc.wait(timeout=30)
+
+
+def test_a_fsynced_punch_of_dirty_data_survives_kill9(make_mount):
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "300")
+    if not fallocate_works(m.mnt):
+        pytest.skip("pyfuse3 without deps/passthrough's fallocate patch")
+    data = os.urandom(256 * KiB)
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        fallocate(fd, PUNCH | KEEP, 10 * KiB, 100 * KiB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert m.stats()["dirty_bytes"], "the data was destaged: the test needs it dirty"
+    m.kill()
+    m.start()
+    want = data[:10 * KiB] + bytes(100 * KiB) + data[110 * KiB:]
+    assert m.path("f").read_bytes() == want
+    ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == want
