@@ -1,4 +1,5 @@
-"""fallocate(2) through the cache: space reserved on BACKING, ranges punched or zeroed.
+"""Where a file has data: fallocate(2) through the cache (space reserved on BACKING, ranges
+punched or zeroed) and lseek(2)'s SEEK_DATA and SEEK_HOLE.
 
 Owns `Allocations`, a base of writepath.WritePath (its methods use the engine's parts that
 WritePath.__init__ sets). The kernel passes on FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE and
@@ -8,7 +9,9 @@ write-back needs. The cache follows a punched or zeroed range as it follows a wr
 goes around it (WritePath._write_around): clean cached blocks there turn invalid (BACKING's
 zeros are read when wanted), dirty blocks (write-back) get the zeros in the cache file and
 stay dirty. A file the kernel reads in passthrough (held: every block of its cache file
-valid) gets the zeros through the write path instead. Never raises FUSEError.
+valid) gets the zeros through the write path instead. SEEK_DATA and SEEK_HOLE ask BACKING
+and, in write-back, count dirty blocks as data (BACKING may have a hole there yet), within
+the logical size. Never raises FUSEError.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from . import backingpaths as bp
 from .cachefiles import pwrite_all
 from .config import EXT_SIZE
 from .extentmap import spans
-from .extents import BLK_SHIFT, EXT_SHIFT, block_mask, covered_mask, runs
+from .extents import (BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, block_mask,
+                      covered_mask, runs)
 from .hit import OpenFile
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -112,3 +116,80 @@ class Allocations:
             n = min(HELD_CHUNK, end - off)
             await self.write(of, off, _ZEROS[:n])
             off += n
+
+    # -- SEEK_DATA, SEEK_HOLE ------------------------------------------------------------
+
+    async def seek(self, of: OpenFile, off: int, whence: int) -> int:
+        """lseek(2) with SEEK_DATA or SEEK_HOLE from `off`: BACKING's answer, with dirty
+        blocks as data. Raises OSError (ENXIO: `off` at or past the end, or no data after
+        it)."""
+        if whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        cf = of.cfile
+        backing_size = (await self.backing.read_call("stat", os.fstat, of.backing_fd)).st_size
+        size = self._c.logical_size(cf.ino, backing_size)
+        if off < 0 or off >= size:
+            raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+        dirty = cf.dirty_exts > 0
+        if whence == os.SEEK_DATA:
+            found = await self._backing_seek(of, off, os.SEEK_DATA, backing_size)
+            if dirty:
+                d = _next_dirty(cf, off)
+                if d is not None and (found is None or d < found):
+                    found = d
+            if found is None or found >= size:
+                raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+            return found
+        pos = off
+        while True:
+            hole = await self._backing_seek(of, pos, os.SEEK_HOLE, backing_size)
+            if hole is None:                    # past BACKING's end: a hole, unless dirty
+                hole = pos
+            run_end = _dirty_run_end(cf, hole) if dirty else None
+            if run_end is None:
+                return min(hole, size)
+            if run_end >= size:
+                return size
+            pos = run_end
+
+    async def _backing_seek(self, of: OpenFile, off: int, whence: int, backing_size: int
+                            ) -> int | None:
+        """BACKING's lseek; None where BACKING has nothing to say (past its end: ENXIO)."""
+        if off >= backing_size:
+            return None
+        try:
+            return await self.backing.read_call("stat", os.lseek, of.backing_fd, off, whence)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            return None
+
+
+def _next_dirty(cf: CachedFile, off: int) -> int | None:
+    """The first byte at or after `off` in a dirty block of `cf`, or None."""
+    first = off >> EXT_SHIFT
+    best = None
+    for e, x in cf.extents.items():
+        d = x.dirty
+        if e < first or not d:
+            continue
+        if e == first:
+            d &= ~((1 << ((off >> BLK_SHIFT) & (BLKS_PER_EXT - 1))) - 1)   # from off's block
+            if not d:
+                continue
+        pos = max(off, (e << EXT_SHIFT) + (((d & -d).bit_length() - 1) << BLK_SHIFT))
+        if best is None or pos < best:
+            best = pos
+    return best
+
+
+def _dirty_run_end(cf: CachedFile, pos: int) -> int | None:
+    """If the block holding `pos` is dirty: where the run of dirty blocks from it ends."""
+    b = pos >> BLK_SHIFT
+    end = None
+    while True:
+        x = cf.extents.get(b // BLKS_PER_EXT)
+        if x is None or not (x.dirty >> (b % BLKS_PER_EXT)) & 1:
+            return end
+        b += 1
+        end = b << BLK_SHIFT

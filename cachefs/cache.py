@@ -72,6 +72,7 @@ class Cache:
         self.write = self.writes.write
         self.truncate = self.writes.truncate
         self.fallocate = self.writes.fallocate
+        self.seek = self.writes.seek
         self.fsync = self.writes.fsync
         self.stat_token = self.coherence.stat_token
         self.revalidate = self.coherence.revalidate

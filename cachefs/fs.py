@@ -408,6 +408,12 @@ class Operations(pyfuse3.Operations):
         of = self._open[fh]
         await self._cache.fallocate(of, mode, offset, length)
 
+    @_errno_mapped
+    async def lseek(self, fh, offset, whence):
+        # SEEK_DATA/SEEK_HOLE (deps/passthrough's lseek patch; with the stock pyfuse3 the
+        # kernel treats every file as all data)
+        return await self._cache.seek(self._open[fh], offset, whence)
+
     async def flush(self, fh):
         # Nothing to do at a close(2): ENOSYS makes the kernel stop sending FLUSH at all, one
         # request less per close (it still writes dirty mmap pages back before it would ask).

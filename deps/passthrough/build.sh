@@ -38,10 +38,10 @@ FUSE3_MIN=3.17.1
 # Applied in this order: FUSE passthrough, then taking queued requests without a scheduler pass,
 # then FUSE_CAP_HANDLE_KILLPRIV_V2 (needs the libfuse patch: the kernel's kill-suid/sgid flags),
 # then FUSE_CAP_DONT_MASK with POSIX ACLs (default ACLs replace the umask), then the
-# fallocate operation.
+# fallocate and lseek (SEEK_DATA/SEEK_HOLE) operations.
 PATCHES=("$HERE/pyfuse3-passthrough.patch" "$HERE/pyfuse3-queued-requests.patch"
          "$HERE/pyfuse3-kill-suidgid.patch" "$HERE/pyfuse3-acl-dont-mask.patch"
-         "$HERE/pyfuse3-fallocate.patch")
+         "$HERE/pyfuse3-fallocate.patch" "$HERE/pyfuse3-lseek.patch")
 LIBFUSE_PATCHES=("$HERE/libfuse-kill-suidgid.patch")
 REQS=$HERE/build-requirements.txt
 

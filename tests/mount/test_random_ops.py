@@ -1,5 +1,5 @@
-"""A seeded random mix of reads, writes, truncates, fallocates (allocate, punch, zero), renames,
-unlinks, reopenings and xattrs over
+"""A seeded random mix of reads, writes, truncates, fallocates (allocate, punch, zero), seeks
+for data and holes, renames, unlinks, reopenings and xattrs over
 a few files, checked against an in-memory model, with a small cache so promotion, eviction and
 in-place updates all happen, and remounts in the middle.
 
@@ -164,8 +164,8 @@ class Model:
     def step(self) -> None:
         rng = self.rng
         op = rng.choices(["create", "read", "write", "truncate", "rename", "unlink", "reopen",
-                          "close", "xattr", "fstat", "fallocate"],
-                         [1, 3, 3, 1, 1, 1, 1, 1, 1.2, 0.5, 0.8])[0]
+                          "close", "xattr", "fstat", "fallocate", "seek"],
+                         [1, 3, 3, 1, 1, 1, 1, 1, 1.2, 0.5, 0.8, 0.6])[0]
         if op == "create" or (not self.files and not self.handles):
             op = "create"
         if op == "fallocate" and not self.fallocate_ok:
@@ -279,6 +279,35 @@ class Model:
                 f.data[off:hi] = bytes(hi - off)
         if not mode & 0x01 and end > len(f.data):   # no KEEP_SIZE: the file may grow
             f.truncate(end)
+
+    def op_seek(self) -> None:
+        """SEEK_DATA/SEEK_HOLE may answer coarsely (all data is a valid answer) but never
+        call a range without data that has some: a copy would skip real bytes."""
+        rng = self.rng
+        h = self.handle()
+        if h is None:
+            return
+        model = h.f.data
+        size = len(model)
+        off = rng.randrange(0, size + 8192)
+        whence = rng.choice([os.SEEK_DATA, os.SEEK_HOLE])
+        self.trace.append(("seek", h.name, h.f.id, off, "data" if whence == os.SEEK_DATA
+                           else "hole"))
+        try:
+            got = os.lseek(h.fd, off, whence)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            if off < size and (whence == os.SEEK_HOLE or any(model[off:])):
+                kind = "SEEK_DATA" if whence == os.SEEK_DATA else "SEEK_HOLE"
+                self.fail(f"lseek({off}, {kind}) of {size} bytes said ENXIO")
+            return
+        if off >= size or not off <= got <= size:
+            self.fail(f"lseek({off}) of {size} bytes returned {got}")
+        if whence == os.SEEK_DATA and (got == size or any(model[off:got])):
+            self.fail(f"SEEK_DATA from {off} skipped data to {got} (size {size})")
+        if whence == os.SEEK_HOLE and got < size and model[got]:
+            self.fail(f"SEEK_HOLE from {off} said {got} is a hole; it holds data")
 
     def op_rename(self) -> None:
         rng = self.rng
