@@ -47,6 +47,9 @@ class Allocations:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         cf = of.cfile
         end = off + size
+        self.stats.fallocate_ops += 1
+        if mode & _ZEROING:
+            self.stats.zeroed_bytes += max(0, min(end, cf.size) - off)
         if not mode & _ZEROING:
             await self._backing_fallocate(of, FALLOC_FL_KEEP_SIZE, off, size)
         elif cf.held is not None:

@@ -47,6 +47,8 @@ LE_NS = tuple(1 << k for k in range(10, 37))
 TIER_COUNTERS = (("ssd", "hit"), ("backing", "miss"), ("bypass", "bypass"))
 COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
     ("write_ops", "write_ops", "Write requests."),
+    ("fallocate_ops", "fallocate_ops", "fallocate(2) requests (reserve, punch, zero)."),
+    ("zeroed_bytes", "zeroed_bytes", "Bytes punched or zeroed by fallocate(2)."),
     ("write_bytes", "write_bytes", "Bytes written."),
     ("backing_read_ops", "backing_read_ops", "Read calls to BACKING."),
     ("backing_read_bytes", "backing_read_bytes", "Bytes read from BACKING."),

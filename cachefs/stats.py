@@ -19,6 +19,7 @@ COUNTERS = (
     "bypass_ops", "bypass_bytes",          # sequential stream past the cutoff, from BACKING
     "mixed_ops", "mixed_bytes",            # partly from the SSD, the rest from BACKING
     "write_ops", "write_bytes",
+    "fallocate_ops", "zeroed_bytes",       # fallocate(2); bytes punched or zeroed by it
     "backing_read_ops", "backing_read_bytes", "backing_write_ops", "backing_write_bytes",
     "promotions", "promotions_dropped", "evictions",
     "promotion_waits",                     # reads held until the promoter took their extents

@@ -31,7 +31,9 @@ def render(s: dict) -> str:
         ("  from SSD", f"{s['hit_ops']} ops, {format_size(s['hit_bytes'])}"),
         ("  from BACKING", f"{s['miss_ops']} ops, {format_size(s['miss_bytes'])}"),
         ("  sequential bypass", f"{s['bypass_ops']} ops, {format_size(s['bypass_bytes'])}"),
-        ("writes", f"{s['write_ops']} ops, {format_size(s['write_bytes'])}"),
+        ("writes", f"{s['write_ops']} ops, {format_size(s['write_bytes'])}; fallocate "
+                   f"{s.get('fallocate_ops', 0)} ops, {format_size(s.get('zeroed_bytes', 0))} "
+                   "punched or zeroed"),
         *window_rows(s.get("windows")),
         *_writeback_rows(s),
         *latency_rows(s.get("latency")),

@@ -85,6 +85,8 @@ def test_fallocate_matches_a_plain_file(fa_mount, tmp_path, mode, cached):
         assert got[0] == want[0], f"size after fallocate {case}"
         assert got[1] == want[1], f"bytes after fallocate {case}"
         assert read_back(m.path(f"f{i}")) == want, f"bytes read by a new open {case}"
+    s = m.stats()
+    assert s["fallocate_ops"] == len(CASES) + 1 and s["zeroed_bytes"] > 0, s   # + the probe
     if mode == "write-back":
         ctl_flush(m)
     m.restart()
