@@ -42,21 +42,37 @@ class InodeTable:
     def path(self, ino: int) -> bytes:
         """BACKING path of an inode, relative to BACKING's root; raises ESTALE (OSError) for
         an unknown inode or one with no name left (the kernel then looks the name up again
-        where a path led it here, as for a file renamed over meanwhile)."""
+        where a path led it here, as for a file renamed over meanwhile).
+
+        A file with hard links is known under each name the kernel looked it up by; the
+        kernel may forget the directory of one of them (pruning its caches) while it keeps
+        the file through another, so each name is tried until one's directory is known."""
         if ino == ROOT_INODE:
             return b"."
+        node = self._inodes.get(ino)
+        if node is not None:
+            for i, (parent, name) in enumerate(node.names):
+                head = self._dir_path(parent)
+                if head is None:
+                    continue
+                if i:                       # the next call takes the good name at once
+                    node.names.insert(0, node.names.pop(i))
+                return name if parent == ROOT_INODE else head + b"/" + name
+        raise OSError(errno.ESTALE, "stale inode")
+
+    def _dir_path(self, ino: int) -> bytes | None:
+        """The path of directory `ino` (a directory has one name), or None if the walk up
+        meets a directory the kernel has forgotten."""
         parts = []
-        seen = 0
         while ino != ROOT_INODE:
             node = self._inodes.get(ino)
             if node is None or not node.names:
-                raise OSError(errno.ESTALE, "stale inode")
+                return None
             ino, name = node.names[0]
             parts.append(name)
-            seen += 1
-            if seen > 4096:
+            if len(parts) > 4096:
                 raise OSError(errno.ELOOP, "inode path loop")
-        return b"/".join(reversed(parts))
+        return b"/".join(reversed(parts)) if parts else b"."
 
     def parent_of(self, ino: int) -> int:
         """The directory an inode is known in (the root for the root, or if unknown)."""

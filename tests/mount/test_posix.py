@@ -409,6 +409,30 @@ def test_unlinked_open_file_stays_usable_through_its_fd(mounted):
         os.close(fd)
 
 
+def test_a_hard_link_stays_usable_when_the_kernel_forgets_the_other_names_directory(mounted):
+    """d1/f and d2/g are one file; the kernel drops its unused dentries and inodes (memory
+    pressure; here drop_caches), forgetting d1 while d2/g is held. Opening d2/g and reading
+    its xattrs failed with ESTALE: the file's path was built from its first name only."""
+    if os.geteuid() != 0:
+        pytest.skip("drop_caches needs root")
+    m = mounted
+    for d in ("d1", "d2"):
+        m.path(d).mkdir()
+    m.path("d1", "f").write_bytes(b"linked" * 1000)
+    os.setxattr(m.path("d1", "f"), "user.k", b"v")
+    os.link(m.path("d1", "f"), m.path("d2", "g"))
+    held = os.open(m.path("d2", "g"), os.O_PATH)        # keeps d2/g, not d1
+    try:
+        for _ in range(3):
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("2")
+        assert os.getxattr(m.path("d2", "g"), "user.k") == b"v"
+        assert m.path("d2", "g").read_bytes() == b"linked" * 1000
+        assert m.path("d1", "f").read_bytes() == b"linked" * 1000
+    finally:
+        os.close(held)
+
+
 def test_rename_file_and_over_existing_target(mounted):
     m = mounted
     m.path("a").write_bytes(b"A" * 5000)
