@@ -380,6 +380,18 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
             parent, name = next(iter(entries))
             return self._path(parent) + b"/" + name
 
+        def _target(self, ino: int) -> bytes | int:
+            """The path of `ino`, or a descriptor of an open file of it when it has no name
+            left (unlinked while open: its xattrs and attributes stay reachable, as on a
+            local file system; the kernel asks for security.capability before writes)."""
+            try:
+                return self._path(ino)
+            except FUSEError:
+                for f in self._files.values():
+                    if f.ino == ino:
+                        return f.fd
+                raise
+
         def _child(self, parent: int, name: bytes) -> bytes:
             return self._path(parent) + b"/" + name
 
@@ -451,7 +463,8 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
                 return self._attrs(st)
             await self._meta()
             try:
-                st = os.lstat(self._path(inode))
+                t = self._target(inode)
+                st = os.fstat(t) if isinstance(t, int) else os.lstat(t)
             except OSError as exc:
                 raise FUSEError(exc.errno) from None
             return self._attrs(st)
@@ -707,7 +720,8 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
                 raise FUSEError(pyfuse3.ENOATTR)
             await self._meta()
             try:
-                return os.getxattr(self._path(inode), name, follow_symlinks=False)
+                t = self._target(inode)
+                return os.getxattr(t, name, **_nofollow(t))
             except OSError as exc:
                 raise FUSEError(_xattr_errno(exc)) from None
 
@@ -726,14 +740,16 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
                 raise FUSEError(errno.EPERM)
             await self._meta()
             try:
-                os.setxattr(self._path(inode), name, value, follow_symlinks=False)
+                t = self._target(inode)
+                os.setxattr(t, name, value, **_nofollow(t))
             except OSError as exc:
                 raise FUSEError(_xattr_errno(exc)) from None
 
         async def listxattr(self, inode, ctx):
             await self._meta()
             try:
-                names = os.listxattr(self._path(inode), follow_symlinks=False)
+                t = self._target(inode)
+                names = os.listxattr(t, **_nofollow(t))
             except OSError as exc:
                 raise FUSEError(_xattr_errno(exc)) from None
             out = [os.fsencode(n) for n in names]
@@ -746,11 +762,17 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
                 raise FUSEError(pyfuse3.ENOATTR)
             await self._meta()
             try:
-                os.removexattr(self._path(inode), name, follow_symlinks=False)
+                t = self._target(inode)
+                os.removexattr(t, name, **_nofollow(t))
             except OSError as exc:
                 raise FUSEError(_xattr_errno(exc)) from None
 
     return SlowOperations
+
+
+def _nofollow(target) -> dict:
+    """xattr calls on a path do not follow a symlink; on a descriptor there is none."""
+    return {} if isinstance(target, int) else {"follow_symlinks": False}
 
 
 # O_APPEND would make pwrite ignore the kernel's offsets; O_DIRECT is the client's

@@ -100,6 +100,23 @@ def test_bytes_and_counters(tmp_path):
     assert "Traceback" not in m.log()
 
 
+def test_an_unlinked_open_file_stays_writable_with_its_xattrs(tmp_path):
+    """Writes to a file unlinked while open failed with ESTALE: the kernel asks for its
+    security.capability before each write, and slowfs looked xattrs up by path only."""
+    src, mnt = make_dirs(tmp_path)
+    with mounted_slowfs(src, mnt, **FAST):
+        fd = os.open(mnt / "u", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.setxattr(mnt / "u", "user.k", b"v")
+            os.unlink(mnt / "u")
+            assert os.write(fd, b"x" * 8192) == 8192
+            assert os.getxattr(fd, "user.k") == b"v"
+            assert os.fstat(fd).st_nlink == 0
+            assert os.pread(fd, 8192, 0) == b"x" * 8192
+        finally:
+            os.close(fd)
+
+
 def test_latency_is_charged(tmp_path):
     src, mnt = make_dirs(tmp_path)
     (src / "f").write_bytes(os.urandom(4 * MiB))
