@@ -69,7 +69,9 @@ def pwrite_all(fd: int, direct_fd: int, items: list[tuple[bytes | memoryview, in
     for i in range(0, len(batch), MAX_INFLIGHT):
         try:
             _submit_wait(direct_fd, batch[i:i + MAX_INFLIGHT], fd)
-        except OSError as exc:
+        except NoContext:
+            rest.extend(batch[i:i + MAX_INFLIGHT])       # no AIO context to be had (the
+        except OSError as exc:                           # system's aio-max-nr): plainly
             if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
             rest.extend(batch[i:i + MAX_INFLIGHT])       # AIO refused: write them plainly
@@ -89,16 +91,27 @@ def pwrite_plain(fd: int, data: bytes | memoryview, off: int) -> None:
 _local = threading.local()
 
 
+class NoContext(OSError):
+    """io_setup failed (EAGAIN: the system's fs.aio-max-nr is used up): write plainly."""
+
+
 def _context() -> ctypes.c_ulong:
     """This thread's AIO context, made once: io_destroy waits for an RCU grace period (ms),
-    far too slow per write. Worker threads are reused, so contexts are few."""
+    far too slow per write. Worker threads are reused, so contexts are few; a context is
+    given up (destroyed) only when a failure left writes of it in flight."""
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
         ctx = ctypes.c_ulong(0)
         if libc.syscall(_NR[0], MAX_INFLIGHT, ctypes.byref(ctx)) < 0:
-            raise OSError(ctypes.get_errno(), "io_setup failed")
+            raise NoContext(ctypes.get_errno(), "io_setup failed")
         _local.ctx = ctx
     return ctx
+
+
+def _destroy(ctx: ctypes.c_ulong) -> None:
+    """Give up a context whose writes may still be in flight (io_destroy waits for them)."""
+    libc.syscall(_NR[1], ctx)
+    _local.ctx = None
 
 
 def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd: int) -> None:
@@ -107,6 +120,7 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
     ctx = _context()
     bufs = []
     ok = False
+    submitted = got = 0
     try:
         iocbs = (_Iocb * n)()
         ptrs = (ctypes.POINTER(_Iocb) * n)()
@@ -119,7 +133,6 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
             cb.offset = off
             cb.data = i
             ptrs[i] = ctypes.pointer(cb)
-        submitted = 0
         while submitted < n:
             r = libc.syscall(submit, ctx, n - submitted,
                               ctypes.byref(ptrs, submitted * ctypes.sizeof(ctypes.c_void_p)))
@@ -133,7 +146,6 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
                 break
             submitted += r
         events = (_Event * n)()
-        got = 0
         while got < n:
             r = libc.syscall(getevents, ctx, n - got, n - got,
                               ctypes.byref(events, got * ctypes.sizeof(_Event)), None)
@@ -154,8 +166,10 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
                 pwrite_plain(plain_fd, memoryview(data)[res:], off + res)
         ok = True
     finally:
-        if not ok:
-            _local.ctx = None        # it may still hold events of this call: never reuse it
+        if not ok and got < submitted:
+            _destroy(ctx)            # it may still hold events of this call: never reuse it
+        # (a failed write whose event came back, the usual failure, leaves it clean: kept;
+        # dropping it without io_destroy leaked one context per failed destage pass)
         bufs.clear()                 # the exports and copies go (before the caller's buffer)
 
 

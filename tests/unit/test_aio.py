@@ -86,3 +86,52 @@ def test_destage_io_writes_runs_and_zeros_past_the_cache_file_end(tmp_path):
     assert got[3 * 4096:5 * 4096 + 300] == body[3 * 4096:]
     assert got[5 * 4096 + 300:7 * 4096] == b"\xee" * (2 * 4096 - 300)
     assert got[7 * 4096:] == bytes(2 * 4096)           # past the cache file's end: zeros
+
+
+def _aio_contexts() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("[aio]" in line for line in f)
+
+
+def test_failed_writes_do_not_leak_aio_contexts(tmp_path):
+    """Each failed AIO batch gave up its thread's context without io_destroy: a BACKING
+    failing destages for hours used up the system's fs.aio-max-nr (AIO then failed for every
+    process). A failure whose events all came back keeps the context."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(1 << 16))
+    ro = os.open(path, os.O_RDONLY)
+    try:                                         # read-only: every write fails (EBADF)
+        direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        os.close(ro)
+        pytest.skip("no O_DIRECT on this filesystem")
+    try:
+        before = _aio_contexts()
+        for _ in range(20):
+            with pytest.raises(OSError):
+                aio.pwrite_all(ro, direct, [(bytes(4096), 0), (bytes(4096), 8192)])
+        assert _aio_contexts() <= before + 1
+    finally:
+        os.close(direct)
+        os.close(ro)
+
+
+def test_no_aio_context_to_be_had_falls_back_to_pwrite(tmp_path, monkeypatch):
+    """io_setup failing (EAGAIN once fs.aio-max-nr is used up) must not fail the writes."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(1 << 16))
+    fd = os.open(path, os.O_RDWR)
+    direct = aio.open_direct(fd)
+    if direct < 0:
+        pytest.skip("no O_DIRECT on this filesystem")
+
+    def no_context():
+        raise aio.NoContext(11, "io_setup failed")
+
+    monkeypatch.setattr(aio, "_context", no_context)
+    try:
+        aio.pwrite_all(fd, direct, [(b"\x07" * 4096, 4096)])
+        assert path.read_bytes()[4096:8192] == b"\x07" * 4096
+    finally:
+        os.close(direct)
+        os.close(fd)
