@@ -79,13 +79,26 @@ def pwrite_all(fd: int, direct_fd: int, items: list[tuple[bytes | memoryview, in
         pwrite_plain(fd, data, off)
 
 
+class ShortWrite(OSError):
+    """A write stopped part way (ENOSPC, EDQUOT, EFBIG, EIO): `done` bytes of it, from its
+    start, are written. A write(2) answers that count, not the error."""
+
+    def __init__(self, err: int, done: int):
+        super().__init__(err, os.strerror(err))
+        self.done = done
+
+
 def pwrite_plain(fd: int, data: bytes | memoryview, off: int) -> None:
-    """All of `data` at `off` with pwrite (short writes continued)."""
+    """All of `data` at `off` with pwrite (short writes continued). Raises OSError if
+    nothing was written, ShortWrite if a part was."""
     done = os.pwrite(fd, data, off)
     if done < len(data):                         # short: continue from where it stopped
         view = memoryview(data)
         while done < len(view):
-            done += os.pwrite(fd, view[done:], off + done)
+            try:
+                done += os.pwrite(fd, view[done:], off + done)
+            except OSError as exc:
+                raise ShortWrite(exc.errno, done) from exc
 
 
 _local = threading.local()
@@ -163,7 +176,12 @@ def _submit_wait(fd: int, items: list[tuple[bytes | memoryview, int]], plain_fd:
             if res < 0:
                 raise OSError(-res, os.strerror(-res))
             if res < len(data):                          # short: finish it plainly
-                pwrite_plain(plain_fd, memoryview(data)[res:], off + res)
+                try:
+                    pwrite_plain(plain_fd, memoryview(data)[res:], off + res)
+                except ShortWrite as exc:
+                    raise ShortWrite(exc.errno, res + exc.done) from exc
+                except OSError as exc:
+                    raise ShortWrite(exc.errno, res) from exc
         ok = True
     finally:
         if not ok and got < submitted:

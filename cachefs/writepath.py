@@ -190,20 +190,28 @@ class WritePath(HeldWrites, Allocations):
     async def _write_around(self, of: OpenFile, off: int, data: bytes) -> int:
         """A write-back write that cannot be cached goes to BACKING at once (write-through).
 
-        Blocks it touches that hold dirty data get the new bytes in the cache file too (they
-        are allocated, so this needs no new SSD space) and stay dirty: the destager later
-        writes the merged blocks. Clean blocks it touches turn invalid. The file's lock keeps
-        the destager out meanwhile: a destage pass that read a block before this write must
-        not land after it.
+        Then blocks it touched that hold dirty data get the new bytes in the cache file too
+        (they are allocated, so this needs no new SSD space) and stay dirty: the destager
+        later writes the merged blocks. Clean blocks it touched turn invalid. BACKING first:
+        a write BACKING refuses, or takes only part of (full), changes nothing more in the
+        cache. The file's lock keeps the destager out meanwhile: a destage pass that read a
+        block before this write must not land after it.
         """
         cf = of.cfile
-        end = off + len(data)
-        first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
+        first, last = off >> EXT_SHIFT, (off + len(data) - 1) >> EXT_SHIFT
         self.stats.writes_around += 1
         async with self._s.file_lock(cf):
             if cf.held is not None:
                 return await self._write_around_held(of, off, data)
             cf.clobber(first, last)
+            cf.writes_inflight += 1
+            cf.backing_unsynced = True          # an fsync must sync BACKING for this write
+            try:
+                written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
+            finally:
+                cf.writes_inflight -= 1
+            cf.clobber(first, last)
+            end = off + written
             view = memoryview(data)
             for e, s, t, m in spans(off, end):
                 x = cf.extents.get(e)
@@ -217,13 +225,6 @@ class WritePath(HeldWrites, Allocations):
                     self._s.map.write(cf, x, block_mask(bs - base, bt - base),
                                       whole=covered_mask(bs - base, bt - base, cf.size - base))
                 self._s.map.invalidate(cf, x, m)
-            cf.writes_inflight += 1
-            cf.backing_unsynced = True          # an fsync must sync BACKING for this write
-            try:
-                written, st = await self.backing.pwrite_stat(of.backing_fd, -1, data, off)
-            finally:
-                cf.writes_inflight -= 1
-            cf.clobber(first, last)
         self.stats.write_ops += 1
         self.stats.write_bytes += written
         self.stats.backing_write_ops += 1
@@ -351,8 +352,9 @@ class WritePath(HeldWrites, Allocations):
         self.stats.backing_write_ops += 1
         self.stats.backing_write_bytes += written
         self._c.own_change(cf, st, size_exact=False)
-        if trunc_seq == cf.trunc_seq:
-            self._update_cached(cf, off, data, alone)
+        if trunc_seq == cf.trunc_seq:       # (a short write: the rest stays invalid)
+            self._update_cached(cf, off, data if written == len(data) else data[:written],
+                                alone)
         return written
 
     def _update_cached(self, cf: CachedFile, off: int, data: bytes,
