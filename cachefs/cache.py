@@ -288,8 +288,11 @@ class Cache:
         cf.writes_inflight += 1
         return plan
 
-    def destage_failed(self, cf: CachedFile) -> None:
+    def destage_failed(self, cf: CachedFile, st: os.stat_result | None = None) -> None:
+        """The pass failed; `st`: BACKING's stat after it (part of it may be there)."""
         cf.writes_inflight -= 1
+        if st is not None:
+            self.coherence.own_change(cf, st, size_exact=False)
 
     def destage_done(self, cf: CachedFile, plan: list[tuple[Extent, int]],
                      st: os.stat_result, snapshot_s: float) -> None:
