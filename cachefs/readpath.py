@@ -67,11 +67,7 @@ class ReadPath:
         cf = of.cfile
         st = self.stats
         if cf.extents:
-            try:
-                data = await self._read_mixed(of, off, size)
-            except OSError:                     # the SSD failed the read: BACKING has it
-                self.stats.cache_errors += 1
-                data = None
+            data = await self._read_mixed(of, off, size)   # BACKING's errors: the reader's
             if data is not None:
                 return data
         st.read_ops += 1
@@ -180,21 +176,25 @@ class ReadPath:
             parts[group[0]] = (g_off, data)
         # No await from here: the SSD extents are read as the map says they are now.
         out = bytearray()
-        fd = cf.cache_fd if cf.cache_fd >= 0 else self.cachefiles.fd(cf)
         from_ssd = 0
-        for e, s, t, m in spans(off, end):
-            part = None
-            for g_off, data in parts.values():
-                if g_off <= s and t <= g_off + len(data):
-                    part = data[s - g_off:t - g_off]
-                    break
-            if part is None:
-                from_ssd += t - s
-                x = cf.extents.get(e)
-                if x is None or x.valid & m != m:
-                    return None                 # evicted or written meanwhile
-                part = read_checked(cf, fd, s, t)      # raises Damaged
-            out += part
+        try:
+            fd = cf.cache_fd if cf.cache_fd >= 0 else self.cachefiles.fd(cf)
+            for e, s, t, m in spans(off, end):
+                part = None
+                for g_off, data in parts.values():
+                    if g_off <= s and t <= g_off + len(data):
+                        part = data[s - g_off:t - g_off]
+                        break
+                if part is None:
+                    from_ssd += t - s
+                    x = cf.extents.get(e)
+                    if x is None or x.valid & m != m:
+                        return None             # evicted or written meanwhile
+                    part = read_checked(cf, fd, s, t)      # raises Damaged
+                out += part
+        except OSError:                         # the SSD failed the read: BACKING has it
+            self.stats.cache_errors += 1
+            return None
         of.seq.note(off, size)
         st = self.stats
         st.read_ops += 1                        # a miss that read BACKING, for the ratios

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import read_blocks, warm  # noqa: E402
+from tests.conftest import pread_aligned, read_blocks, warm  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 
@@ -70,6 +70,31 @@ def test_backing_read_errors_reach_the_reader(make_mount, slow_backing):
         sf.set(eio=0)
         os.close(fd)
     assert m.stats()["backing_errors"] >= 1
+    m.stop()
+
+
+def test_a_backing_error_in_a_partly_cached_read_is_not_counted_as_the_ssds(make_mount,
+                                                                            slow_backing):
+    """A read over cached and uncached extents whose BACKING part fails: EIO to the reader,
+    counted as a BACKING error. It was counted as a cache (SSD) error and read from BACKING
+    a second time."""
+    from tests.conftest import wait_until
+    src, slow, sf = slow_backing
+    m = make_mount("--promote-after", "1", backing=slow)
+    fd = os.open(m.path("hot"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        pread_aligned(fd, 64 << 10, 0)
+        wait_until(lambda: m.stats()["extents_cached"] >= 1, 10, what="a promotion")
+        sf.set(eio=1)
+        with pytest.raises(OSError) as err:
+            pread_aligned(fd, 256 << 10, 0)
+        assert err.value.errno == errno.EIO
+    finally:
+        sf.set(eio=0)
+        os.close(fd)
+    s = m.stats()
+    assert s["backing_errors"] >= 1 and s["cache_errors"] == 0, (s["backing_errors"],
+                                                                  s["cache_errors"])
     m.stop()
 
 
