@@ -40,6 +40,9 @@ class Attributes:
         a.st_mtime_ns = st.st_mtime_ns
         a.st_ctime_ns = st.st_ctime_ns
         if self._cache.write_back:
+            cf = self._cache.files.get(ino)             # a destage's ctime is not shown
+            busy = cf is not None and bool(cf.meta_inflight or cf.writes_inflight)
+            a.st_ctime_ns = self._cache.shown_ctime(ino, st.st_ctime_ns, busy)
             self._dirty_view(a, st, ino)
         return a
 
@@ -54,4 +57,4 @@ class Attributes:
         a.st_blocks = max(st.st_blocks, -(-min(a.st_size, cf.dirty_exts * EXT_SIZE) // 512))
         if cf.times is not None:        # what BACKING gets after the destage (set_times)
             a.st_mtime_ns = cf.times[1]
-            a.st_ctime_ns = max(st.st_ctime_ns, cf.times[1])
+            a.st_ctime_ns = max(a.st_ctime_ns, cf.times[1])

@@ -80,6 +80,7 @@ class Cache:
         self.own_metadata_change = self.coherence.own_metadata_change
         self.logical_size = self.coherence.logical_size
         for name in ("load", "forget", "drop_file", "drop_clean", "install_wanted", "status",
+                     "shown_ctime",
                      "used_bytes", "cache_path", "file_lock", "dirty_bytes",
                      "oldest_dirty_age_s", "ssd_full"):
             setattr(self, name, getattr(state, name))
@@ -299,6 +300,11 @@ class Cache:
         """BACKING has the snapshot (taken at `snapshot_s`) durably: blocks not rewritten
         since turn clean; what stays dirty was written after the snapshot, and ages from it."""
         cf.writes_inflight -= 1
+        shown = None                    # the ctime programs saw before this pass
+        if cf.identity is not None:
+            shown = self.state.shown_ctime(cf.ino, cf.identity[3])
+            if cf.times is not None:
+                shown = max(shown, cf.times[1])
         still = []
         for x, snap in plan:
             if cf.extents.get(x.ext) is not x:
@@ -311,6 +317,8 @@ class Cache:
         if not cf.dirty_exts and cf.times is not None:
             self.state.set_times(cf, None)          # BACKING has the data and the times
         self.coherence.own_change(cf, st, size_exact=False)
+        if shown is not None:
+            self.state.mask_ctime(cf.ino, st.st_ctime_ns, shown)
 
     @contextlib.contextmanager
     def changing(self, *inos: int | None):

@@ -37,6 +37,8 @@ log = logging.getLogger("cachefs.cache")
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
 MAPPED = "mapped:"           # meta key prefix: a held file mapped shared and writable
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
+CTIMES = "ctime:"            # meta key prefix of a ctime shown over a destage's (mask_ctime)
+CTIMES_KEPT = 65536          # files whose ctime is shown over a destage's, at most
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
 
 
@@ -51,6 +53,9 @@ class CacheState:
         self.capacity_exts = capacity_exts
         self.target_exts = capacity_exts         # the pool size asked for (capacity may shrink)
         self.files: dict[int, CachedFile] = {}
+        # write-back: ino -> (BACKING's ctime after a destage of ours, the ctime shown before
+        # it): a destage is no change of the file's (shown_ctime)
+        self.ctimes: dict[int, tuple[int, int]] = {}
         self.pool = (S3Fifo if cfg.eviction == "s3-fifo" else Clock)(capacity_exts)
         self.admission = Admission(cfg.promote_after)
         self.dirty = DirtyIndex()                # write-back: extents newer than BACKING
@@ -109,6 +114,9 @@ class CacheState:
                 for x in cf.extents.values():
                     self.map.unsummed(cf, x, known=False)
                 self.dirty_whole(cf)
+        for key, value in self.store.meta_items(CTIMES).items():
+            backing_ctime, shown = value.split()
+            self.ctimes[int(key[len(CTIMES):])] = (int(backing_ctime), int(shown))
         for key, value in self.store.meta_items(TIMES).items():
             cf = self.files.get(int(key[len(TIMES):]))
             if cf is not None and cf.dirty_exts:
@@ -227,7 +235,36 @@ class CacheState:
             del self.files[ino]
             self._close_wb_fd(cf)
 
+    def shown_ctime(self, ino: int, backing_ctime: int, busy: bool = False) -> int:
+        """The ctime programs see for BACKING's `backing_ctime`: the one they saw before a
+        destage of ours moved it (its writes and times on BACKING are no change of the
+        file: git, rsync and backup tools compare ctimes), until something else moves it.
+        `busy`: a change of ours is under way (a destage pass): BACKING's ctime may be its."""
+        mask = self.ctimes.get(ino)
+        if mask is None:
+            return backing_ctime
+        if mask[0] == backing_ctime or busy:
+            return mask[1]
+        del self.ctimes[ino]                    # changed since: BACKING's own from now on
+        self.store.queue_meta(f"{CTIMES}{ino}", None)
+        return backing_ctime
+
+    def mask_ctime(self, ino: int, backing_ctime: int, shown: int) -> None:
+        """A destage of ours left BACKING's ctime at `backing_ctime`; programs saw `shown`."""
+        self.ctimes.pop(ino, None)
+        if backing_ctime == shown:
+            self.store.queue_meta(f"{CTIMES}{ino}", None)
+            return
+        if len(self.ctimes) >= CTIMES_KEPT:     # the oldest goes (its ctime may show later)
+            old = next(iter(self.ctimes))
+            del self.ctimes[old]
+            self.store.queue_meta(f"{CTIMES}{old}", None)
+        self.ctimes[ino] = (backing_ctime, shown)
+        self.store.queue_meta(f"{CTIMES}{ino}", f"{backing_ctime} {shown}")
+
     def discard(self, cf: CachedFile) -> None:
+        if self.ctimes.pop(cf.ino, None) is not None:
+            self.store.queue_meta(f"{CTIMES}{cf.ino}", None)
         self.drop_file(cf)
         self.cachefiles.close_idle(cf)
         self._close_wb_fd(cf)           # unlinked: no BACKING flush to wait for

@@ -173,3 +173,38 @@ def test_times_set_while_a_destage_pass_runs_stay(make_mount):
     assert {n: t for n, t in mtimes(m.mnt, names).items() if t != want} == {}
     m.stop()
     assert {n: t for n, t in mtimes(m.backing, names).items() if t != want} == {}
+
+
+def _view(p) -> tuple:
+    """What git keeps in its index for a file (and compares): all but atime."""
+    st = os.stat(p)
+    return (st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def test_a_destage_is_no_change_of_the_file(make_mount):
+    """git checkout, then the destage: git's index holds the ctime the file had, and the
+    destage (its writes, the times it puts back on BACKING) moved BACKING's ctime, so
+    `git diff-index --quiet HEAD` said the tree was dirty and `git read-tree -m -u` refused
+    ("not uptodate") until something refreshed the index. The ctime seen through the mount
+    stays what it was, also after a remount, until the file really changes again."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "0.2", "--attr-timeout", "0.1")
+    names = [f"f{i}" for i in range(20)]
+    for n in names:
+        m.path(n).write_bytes(os.urandom(3000))
+    before = {n: _view(m.path(n)) for n in names}
+    ctl_flush(m)
+    time.sleep(0.3)                             # past the kernel's attribute timeout
+    assert {n: _view(m.path(n)) for n in names} == before, "the destage changed the stat"
+    backing = {n: os.stat(m.backing / n).st_ctime_ns for n in names}
+    assert any(backing[n] != before[n][4] for n in names), "no destage moved BACKING's ctime"
+    m.restart()
+    assert {n: _view(m.path(n)) for n in names} == before, "the remount changed the stat"
+    os.chmod(m.path("f0"), 0o600)               # a real change: the ctime moves
+    time.sleep(0.3)
+    assert os.stat(m.path("f0")).st_ctime_ns > before["f0"][4]
+    with open(m.path("f1"), "r+b") as f:        # so does a write, destaged or not
+        f.write(b"changed")
+    ctl_flush(m)
+    time.sleep(0.3)
+    st = os.stat(m.path("f1"))
+    assert st.st_ctime_ns > before["f1"][4] and st.st_ctime_ns == st.st_mtime_ns
