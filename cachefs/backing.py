@@ -227,7 +227,17 @@ def op_name(fn: Callable[..., Any]) -> str:
 
 
 def _fd_path(fd: int) -> str:
-    return os.readlink(f"/proc/self/fd/{fd}")
+    """The path of a descriptor, for the log. The kernel marks it " (deleted)" also when it
+    merely dropped the name from its cache (a FUSE or network BACKING after an error):
+    said only of a file with no link left."""
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if path.endswith(" (deleted)"):
+        try:
+            if os.fstat(fd).st_nlink:
+                path = path[:-len(" (deleted)")]
+        except OSError:
+            pass
+    return path
 
 
 def pread_cached(fd: int, size: int, off: int) -> bytes | None:
