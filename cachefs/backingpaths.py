@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import stat as stat_mod
 import threading
@@ -245,10 +246,12 @@ def _remove(root: int, path: bytes, remove) -> tuple[os.stat_result, int]:
 
 
 def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
-    """The lstat of a name about to be removed and, if it is the last name of a regular
-    file or a directory, an O_PATH descriptor of it (else -1). Held while the kernel still
-    knows the inode (InodeTable.hold), it keeps BACKING from giving the inode number to a
-    new file meanwhile: with FUSE node ids being BACKING's numbers, the kernel would take
+    """The lstat of a name about to be removed and, for a regular file or a directory, an
+    O_PATH descriptor of it (else -1). Held while the kernel still knows the inode
+    (InodeTable.hold), it reaches the node when no name cachefs knows does (a file's other
+    link, in a directory the kernel forgot; an open file's reopen through /proc/self/fd),
+    and, of a node's last name, it keeps BACKING from giving the inode number to a new file
+    meanwhile: with FUSE node ids being BACKING's numbers, the kernel would take
     the new file for the old one (an open of the old one, raced by the rename that
     replaced it, read the new file as it was being written). Out of descriptors (EMFILE),
     the removal goes on without one: a descriptor limit never fails an unlink."""
@@ -259,7 +262,7 @@ def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
             raise
         return os.stat(r, dir_fd=dfd, follow_symlinks=False), -1
     st = os.fstat(fd)
-    if not (stat_mod.S_ISREG(st.st_mode) and st.st_nlink == 1 or stat_mod.S_ISDIR(st.st_mode)):
+    if not (stat_mod.S_ISREG(st.st_mode) or stat_mod.S_ISDIR(st.st_mode)):
         os.close(fd)
         fd = -1
     return st, fd
@@ -427,29 +430,35 @@ def _xattr_path(root: int, rel: bytes) -> Iterator[bytes]:
             os.close(pfd)
 
 
+def _by_fd(fd: int) -> int | str:
+    """What xattr calls take for `fd`: itself, or for an O_PATH descriptor (InodeTable.hold),
+    which the f*xattr calls refuse, its /proc/self/fd link (followed: to the node)."""
+    return f"/proc/self/fd/{fd}" if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_PATH else fd
+
+
 def getxattr(root: int, rel: bytes, fd: int | None, name: bytes) -> bytes:
     if fd is not None:
-        return os.getxattr(fd, name)
+        return os.getxattr(_by_fd(fd), name)
     with _xattr_path(root, rel) as path:
         return os.getxattr(path, name, follow_symlinks=False)
 
 
 def listxattr(root: int, rel: bytes, fd: int | None) -> list[str]:
     if fd is not None:
-        return os.listxattr(fd)
+        return os.listxattr(_by_fd(fd))
     with _xattr_path(root, rel) as path:
         return os.listxattr(path, follow_symlinks=False)
 
 
 def setxattr(root: int, rel: bytes, fd: int | None, name: bytes, value: bytes) -> None:
     if fd is not None:
-        return os.setxattr(fd, name, value)
+        return os.setxattr(_by_fd(fd), name, value)
     with _xattr_path(root, rel) as path:
         os.setxattr(path, name, value, 0, follow_symlinks=False)
 
 
 def removexattr(root: int, rel: bytes, fd: int | None, name: bytes) -> None:
     if fd is not None:
-        return os.removexattr(fd, name)
+        return os.removexattr(_by_fd(fd), name)
     with _xattr_path(root, rel) as path:
         os.removexattr(path, name, follow_symlinks=False)

@@ -154,9 +154,11 @@ class Cache:
         else:
             self.state.discard(cf)
 
-    async def open(self, fh: int, ino: int, path: bytes, flags: int) -> tuple[OpenFile, bool]:
+    async def open(self, fh: int, ino: int, path: bytes, flags: int, named: bool = True
+                   ) -> tuple[OpenFile, bool]:
         """Open BACKING, revalidate cached data; returns the handle and whether the kernel may
-        keep its page cache for the file."""
+        keep its page cache for the file. `named` False: `path` is a /proc/self/fd link of
+        the file (no name of it is known), not a path hint to keep."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
         token = self.coherence.stat_token(ino)
         before = self.files.get(ino)
@@ -197,7 +199,8 @@ class Cache:
             dio = await self.backing.read_call("open", dio_align, fd)
         cf = self.state.file_for(ino, st)
         unchanged = self.coherence.revalidate(cf, st, token)
-        cf.path = path
+        if named:
+            cf.path = path
         cf.open_count += 1
         if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY:
             try:

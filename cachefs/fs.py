@@ -174,9 +174,17 @@ class Operations(pyfuse3.Operations):
                 a.st_nlink = 0
                 return a
             else:
-                st = await self._ns.lstat(self._path(inode))
-                if self._inodes.ino_of(st) != inode:
-                    raise FUSEError(errno.ESTALE)   # the name leads elsewhere now: look again
+                try:
+                    path = self._inodes.path(inode)
+                except OSError as exc:
+                    held = self._inodes.held_fd(inode)      # no known name reaches it
+                    if held < 0:
+                        raise to_fuse_error(exc) from None
+                    st = await self._ns.fstat(held)
+                else:
+                    st = await self._ns.lstat(path)
+                    if self._inodes.ino_of(st) != inode:
+                        raise FUSEError(errno.ESTALE)   # the name leads elsewhere: look again
         self._cache.attributes_seen(inode, st, token)
         return self._attr(st, inode)
 
@@ -333,10 +341,23 @@ class Operations(pyfuse3.Operations):
 
     @_errno_mapped
     async def open(self, inode, flags, ctx):
-        path = self._path(inode)
+        try:
+            path = self._inodes.path(inode)
+        except OSError as exc:
+            # No known name reaches the file (open and unlinked: `cat /dev/fd/3`; another
+            # link's directory forgotten by the kernel): through a descriptor of it.
+            with self._fds.borrow(inode) as fd:
+                fd = fd if fd is not None else self._inodes.held_fd(inode)
+                if fd < 0:
+                    raise to_fuse_error(exc) from None
+                return await self._open_file(inode, b"/proc/self/fd/%d" % fd, flags, ctx,
+                                             False)
+        return await self._open_file(inode, path, flags, ctx, True)
+
+    async def _open_file(self, inode, path: bytes, flags, ctx, named: bool):
         await self._fds.wait_for_fds()
         fh = self._fh()
-        of, keep = await self._cache.open(fh, inode, path, flags)
+        of, keep = await self._cache.open(fh, inode, path, flags, named)
         self._fds.add(of)
         if getattr(ctx, "kill_suidgid", False):         # O_TRUNC by a caller w/o CAP_FSETID
             await self._kill_suidgid(of)
@@ -500,22 +521,32 @@ class Operations(pyfuse3.Operations):
         try:
             return self._inodes.path(inode)
         except OSError as exc:
-            if self._fds.has(inode):
-                return None
+            if self._fds.has(inode) or self._inodes.held_fd(inode) >= 0:
+                return None                     # through a descriptor (_node_fd)
             raise to_fuse_error(exc) from None
+
+    @contextlib.contextmanager
+    def _node_fd(self, inode: int):
+        """A BACKING descriptor of a node no known name reaches: an open handle's, else the
+        O_PATH one kept since a name of it went (InodeTable.hold)."""
+        if self._fds.has(inode):
+            with self._fds.borrow(inode) as fd:
+                yield fd
+        else:
+            yield self._inodes.held_fd(inode)
 
     @_errno_mapped
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             return self._control_path
         path = self._xattr_target(inode)
-        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
             return await self._ns.getxattr(path, fd, name, inode)
 
     @_errno_mapped
     async def listxattr(self, inode, ctx):
         path = self._xattr_target(inode)
-        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
             names = await self._ns.listxattr(path, fd)
         return [os.fsencode(n) for n in names]
 
@@ -524,7 +555,7 @@ class Operations(pyfuse3.Operations):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             raise FUSEError(errno.EPERM)
         path = self._xattr_target(inode)
-        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
             try:
                 await self._ns.setxattr(path, fd, name, value)
             finally:
@@ -535,7 +566,7 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def removexattr(self, inode, name, ctx):
         path = self._xattr_target(inode)
-        with self._fds.borrow(inode) if path is None else contextlib.nullcontext() as fd:
+        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
             try:
                 await self._ns.removexattr(path, fd, name)
             finally:

@@ -120,17 +120,25 @@ class InodeTable:
                 os.close(node.held)
 
     def hold(self, ino: int, fd: int) -> None:
-        """`fd` (O_PATH, or -1) is of BACKING's file `ino`, whose last name cachefs just
-        removed: keep it open while the kernel knows the inode (until its forget), so that
-        BACKING cannot give the number to a new file the kernel would take for this one;
-        closed at once if the kernel does not know it or it still has a name here."""
+        """`fd` (O_PATH, or -1) is of BACKING's node `ino`, a name of which cachefs just
+        removed: keep it open while the kernel knows the inode (until its forget): when it
+        was the last name, BACKING cannot give the number to a new file the kernel would
+        take for this one; and it reaches the node when no name known here does
+        (held_fd). Closed at once if the kernel does not know the inode."""
         if fd < 0:
             return
         node = self._inodes.get(ino)
-        if node is None or node.names or node.lookups <= 0 or node.held >= 0:
+        if node is None or node.lookups <= 0 or node.held >= 0:
             os.close(fd)
             return
         node.held = fd
+
+    def held_fd(self, ino: int) -> int:
+        """The O_PATH descriptor kept since a name of `ino` went (hold), or -1: it reaches
+        the node when no known name does (open unlinked, or its other links' directories
+        forgotten by the kernel)."""
+        node = self._inodes.get(ino)
+        return node.held if node is not None else -1
 
     def dir_seq(self, parent: int) -> int:
         """Changes when an entry of directory `parent` is unlinked or renamed: a listing

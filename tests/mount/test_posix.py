@@ -433,6 +433,44 @@ def test_a_hard_link_stays_usable_when_the_kernel_forgets_the_other_names_direct
         os.close(held)
 
 
+def test_an_unlinked_open_file_reopens_through_its_descriptor(mounted):
+    """`exec 3<f; rm f; cat /dev/fd/3`: the kernel opens the inode, which has no name left.
+    cachefs answered ESTALE (it opened BACKING by path); it opens it through the handle."""
+    m = mounted
+    m.path("f").write_bytes(b"hello" * 1000)
+    fd = os.open(m.path("f"), os.O_RDONLY)
+    try:
+        os.unlink(m.path("f"))
+        with open(f"/proc/self/fd/{fd}", "rb") as again:
+            assert again.read() == b"hello" * 1000
+    finally:
+        os.close(fd)
+
+
+def test_a_hard_link_held_through_the_name_that_went(mounted):
+    """A/a and B/b are one file; a process holds it through A/a (O_PATH), and A/a is
+    removed. The kernel never looked B/b up, so cachefs knew no name of the file: fstat,
+    xattrs and reopening through the descriptor answered ESTALE. It reaches the file through
+    the descriptor it kept when the name went."""
+    m = mounted
+    for d in ("A", "B"):
+        (m.backing / d).mkdir()
+    (m.backing / "A" / "a").write_bytes(b"linked" * 100)
+    os.link(m.backing / "A" / "a", m.backing / "B" / "b")       # behind the mount
+    os.setxattr(m.backing / "A" / "a", "user.k", b"v")
+    fd = os.open(m.path("A", "a"), os.O_PATH)
+    try:
+        os.unlink(m.path("A", "a"))
+        proc = f"/proc/self/fd/{fd}"
+        assert os.fstat(fd).st_nlink == 1
+        assert os.getxattr(proc, "user.k") == b"v"
+        with open(proc, "rb") as f:
+            assert f.read() == b"linked" * 100
+    finally:
+        os.close(fd)
+    assert m.path("B", "b").read_bytes() == b"linked" * 100
+
+
 def test_rename_file_and_over_existing_target(mounted):
     m = mounted
     m.path("a").write_bytes(b"A" * 5000)
