@@ -594,15 +594,17 @@ def test_removed_directory_that_is_a_cwd(mounted, tmp_path):
     0, no entries), as on Linux; cachefs answered ENOENT (`ls` failed there)."""
     script = ("import os, stat; os.rmdir('../d'); st = os.stat('.'); "
               "fd = os.open('.', os.O_RDONLY | os.O_DIRECTORY); os.close(fd); "
-              "print(st.st_nlink, stat.S_ISDIR(st.st_mode), os.listdir('.'))")
+              "x = os.getxattr('.', 'user.k'); "    # its xattrs too (were ESTALE)
+              "print(st.st_nlink, stat.S_ISDIR(st.st_mode), os.listdir('.'), x)")
     outs = []
     for top in (tmp_path, mounted.mnt):
         (top / "d").mkdir()
+        os.setxattr(top / "d", "user.k", b"v")
         res = subprocess.run([sys.executable, "-c", script], cwd=top / "d",
                              capture_output=True, text=True, timeout=30)
         assert res.returncode == 0, res.stderr
         outs.append(res.stdout)
-    assert outs[1] == outs[0] == "0 True []\n"
+    assert outs[1] == outs[0] == "0 True [] b'v'\n"
     mounted.path("d").mkdir()                       # the name again: a new directory
     assert os.stat(mounted.path("d")).st_nlink == 2 and os.listdir(mounted.path("d")) == []
 
