@@ -199,6 +199,9 @@ class Cache:
             dio = await self.backing.read_call("open", dio_align, fd)
         cf = self.state.file_for(ino, st)
         unchanged = self.coherence.revalidate(cf, st, token)
+        if cf.kernel_stale:             # a lookup just before found the change: the kernel
+            cf.kernel_stale = False     # must drop its pages in this open, not later
+            unchanged = False
         if named:
             cf.path = path
         cf.open_count += 1

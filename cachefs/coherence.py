@@ -159,6 +159,7 @@ class Coherence:
         """getattr/lookup saw BACKING's attributes: revalidate, invalidate the kernel cache."""
         cf = self.files.get(ino)
         if cf is not None and not self.revalidate(cf, st, token):
+            cf.kernel_stale = True      # the next open drops the kernel's pages itself
             try:
                 self._stale_send.send_nowait(ino)
             except trio.WouldBlock:

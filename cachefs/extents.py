@@ -93,7 +93,8 @@ class CachedFile:
                  "fills", "writes_inflight", "meta_inflight", "doomed", "path", "wb_fd",
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
-                 "shrinking", "held", "verified", "times", "backing_unsynced")
+                 "shrinking", "held", "verified", "times", "backing_unsynced",
+                 "kernel_stale")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -128,6 +129,9 @@ class CachedFile:
         # write-back: BACKING itself was changed (created, written around the cache,
         # truncated, attributes set) since the last fsync, which must then sync BACKING too
         self.backing_unsynced = False
+        # a getattr or lookup found BACKING changed: the kernel's pages of the file are old,
+        # and its next open must not let the kernel keep them (its invalidation is queued)
+        self.kernel_stale = False
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""
