@@ -379,11 +379,15 @@ def fallocate_stat(fd: int, mode: int, off: int, size: int) -> os.stat_result:
     return fresh_fstat(fd)
 
 
-def scandir(root: int, path: bytes) -> list[tuple[bytes, os.stat_result]]:
-    """A directory's entries with their lstat, as a snapshot."""
+def scandir(root: int, path: bytes, ino: int | None = None
+            ) -> list[tuple[bytes, os.stat_result]]:
+    """A directory's entries with their lstat, as a snapshot; ESTALE if the path leads to
+    a directory other than BACKING's inode `ino` (renamed meanwhile)."""
     out = []
     fd = open_at(root, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        if ino is not None:
+            same_inode(os.fstat(fd), ino)
         with os.scandir(fd) as it:
             for entry in it:
                 try:

@@ -182,9 +182,7 @@ class Operations(pyfuse3.Operations):
                         raise to_fuse_error(exc) from None
                     st = await self._ns.fstat(held)
                 else:
-                    st = await self._ns.lstat(path)
-                    if self._inodes.ino_of(st) != inode:
-                        raise FUSEError(errno.ESTALE)   # the name leads elsewhere: look again
+                    st = await self._stat_by_path(inode, path)
         self._cache.attributes_seen(inode, st, token)
         return self._attr(st, inode)
 
@@ -467,13 +465,7 @@ class Operations(pyfuse3.Operations):
             # Listed from the start (first read, or after rewinddir): the entries as they are
             # now, as on a plain directory; later reads continue this snapshot.
             seq = self._inodes.dir_seq(parent)
-            try:
-                entries = [(b".", None), (b"..", None),
-                           *await self._ns.scandir(self._inodes.path(parent))]
-            except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.ESTALE):
-                    raise to_fuse_error(exc) from None
-                entries = []            # removed meanwhile: empty, "." and ".." too, as on Linux
+            entries = [(b".", None), (b"..", None), *await self._listing(parent)]
             self._dirs[fh] = (parent, entries, seq)
         # An entry of the snapshot that cachefs renamed or unlinked since must not be
         # remembered: its name would lead to whatever took that name. Then each is looked at
@@ -495,6 +487,44 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._attr(st, ino), i + 1):
                 break
             self._inodes.remember(parent, name, st)
+
+    async def _stat_by_path(self, inode: int, path: bytes) -> os.stat_result:
+        """lstat of `inode` by its path. While a rename of it or of a directory above it is
+        under way (on BACKING, not yet in the inode table) the path may lead elsewhere or
+        nowhere: looked up again a few times before the answer is ESTALE (the kernel looks
+        the name up again) or ENOENT."""
+        for pause in (0.001, 0.01, 0.05, None):
+            try:
+                st = await self._ns.lstat(path)
+            except FileNotFoundError:
+                if pause is None:
+                    raise
+            else:
+                if self._inodes.ino_of(st) == inode:
+                    return st
+                if pause is None:
+                    raise FUSEError(errno.ESTALE)   # the name leads elsewhere: look again
+            await trio.sleep(pause)
+            path = self._path(inode)
+        raise AssertionError("unreachable")
+
+    async def _listing(self, parent: int) -> list:
+        """BACKING's entries of directory `parent`. Its path may lead elsewhere, or nowhere,
+        while a rename of it or of a directory above it is under way (on BACKING, not yet in
+        the inode table): looked up again a few times; empty only once it is removed (as
+        on Linux, "." and ".." too). A path taken as it was listed another directory's
+        entries (and the kernel kept them as this one's), or none."""
+        for pause in (0.001, 0.01, 0.05, None):
+            try:
+                return await self._ns.scandir(self._inodes.path(parent),
+                                              None if parent == ROOT_INODE else parent)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                    raise to_fuse_error(exc) from None
+                if parent in self._removed_dirs or pause is None:
+                    return []           # removed meanwhile: listed empty
+                await trio.sleep(pause)
+        return []
 
     async def releasedir(self, fh):
         self._dirs.pop(fh, None)

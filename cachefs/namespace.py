@@ -107,8 +107,8 @@ class Namespace:
     async def link(self, old: bytes, new: bytes) -> os.stat_result:
         return await self._backing.write_call(bp.link, self._root, old, new)
 
-    async def scandir(self, path: bytes) -> list:
-        return await self._backing.read_call("readdir", bp.scandir, self._root, path)
+    async def scandir(self, path: bytes, ino: int | None = None) -> list:
+        return await self._backing.read_call("readdir", bp.scandir, self._root, path, ino)
 
     async def fsync_path(self, path: bytes, datasync: bool) -> None:
         await self._backing.write_call(bp.fsync_path, self._root, path, datasync)

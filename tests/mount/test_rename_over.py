@@ -160,3 +160,41 @@ def test_removed_write_back_files_leave_no_descriptor_open(make_mount):
     left = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     deleted = [t for t in left if t.endswith("(deleted)") and str(m.backing) in t]
     assert not deleted, deleted
+
+
+def test_listings_through_a_descriptor_while_the_tree_above_is_renamed(mounted):
+    """Two trees a/sub and c/sub are swapped by renames in a loop while a process lists a/sub
+    through a descriptor of it. Listings came back empty (BACKING's path of the directory led
+    nowhere mid-rename: ~3 % of them) or held c/sub's entries (the path led to the other tree;
+    the kernel then kept them as a/sub's, and opening c's marker through the descriptor
+    worked). The listing now checks the directory it opened and looks the path up again."""
+    import threading
+    m = mounted
+    for n in ("a", "c"):
+        (m.path(n, "sub")).mkdir(parents=True)
+        m.path(n, "sub", f"marker_{n}").write_text(n)
+    dfd = os.open(m.path("a", "sub"), os.O_RDONLY | os.O_DIRECTORY)
+    stop = time.monotonic() + 3
+    bad: dict[str, int] = {}
+    lists = 0
+
+    def renamer():
+        while time.monotonic() < stop:
+            os.rename(m.path("a"), m.path("t"))
+            os.rename(m.path("c"), m.path("a"))
+            os.rename(m.path("t"), m.path("c"))
+            time.sleep(0.003)
+
+    r = threading.Thread(target=renamer)
+    r.start()
+    try:
+        while time.monotonic() < stop:
+            got = os.listdir(dfd)
+            lists += 1
+            if got != ["marker_a"]:
+                key = "empty" if not got else "other" if "marker_c" in got else repr(got)
+                bad[key] = bad.get(key, 0) + 1
+    finally:
+        r.join()
+        os.close(dfd)
+    assert lists > 100 and not bad, (lists, bad)
