@@ -548,11 +548,17 @@ class Operations(pyfuse3.Operations):
     # unlinked) through a descriptor of an open handle of it.
 
     def _xattr_target(self, inode: int) -> bytes | None:
+        """The path to name `inode` by in an xattr call, or None: through a descriptor
+        (_node_fd). An open handle's descriptor comes first: it is this file whatever
+        happened to its name (renamed on BACKING behind the mount and another file put
+        there, an fsetxattr by path reached that other file)."""
+        if self._fds.has(inode):
+            return None
         try:
             return self._inodes.path(inode)
         except OSError as exc:
-            if self._fds.has(inode) or self._inodes.held_fd(inode) >= 0:
-                return None                     # through a descriptor (_node_fd)
+            if self._inodes.held_fd(inode) >= 0:
+                return None
             raise to_fuse_error(exc) from None
 
     @contextlib.contextmanager

@@ -471,6 +471,24 @@ def test_a_hard_link_held_through_the_name_that_went(mounted):
     assert m.path("B", "b").read_bytes() == b"linked" * 100
 
 
+def test_xattrs_through_a_descriptor_reach_its_file_after_a_rename_behind_the_mount(mounted):
+    """f is open; on BACKING (behind the mount) f is renamed to f.old and a new f made.
+    fsetxattr on the descriptor must reach the open file (f.old), not the new f: cachefs
+    named it by its old path."""
+    m = mounted
+    m.path("f").write_bytes(b"old")
+    fd = os.open(m.path("f"), os.O_RDONLY)
+    try:
+        os.rename(m.backing / "f", m.backing / "f.old")
+        (m.backing / "f").write_bytes(b"new")
+        os.setxattr(fd, "user.who", b"fd-of-old")
+        assert os.getxattr(fd, "user.who") == b"fd-of-old"
+    finally:
+        os.close(fd)
+    assert os.getxattr(m.backing / "f.old", "user.who") == b"fd-of-old"
+    assert "user.who" not in os.listxattr(m.backing / "f")
+
+
 def test_rename_file_and_over_existing_target(mounted):
     m = mounted
     m.path("a").write_bytes(b"A" * 5000)
