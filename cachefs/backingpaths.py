@@ -399,6 +399,32 @@ def scandir(root: int, path: bytes, ino: int | None = None
     return out
 
 
+def open_dir(root: int, path: bytes, ino: int | None) -> int:
+    """A descriptor of BACKING's directory at `path`, for listing it (scandir_fd) whatever
+    happens to its name later; ESTALE if the path leads to another node than `ino`."""
+    fd = open_at(root, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if ino is not None:
+            same_inode(os.fstat(fd), ino)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def scandir_fd(fd: int) -> list[tuple[bytes, os.stat_result]]:
+    """The entries of the directory open as `fd` with their lstat, from its start."""
+    out = []
+    os.lseek(fd, 0, os.SEEK_SET)
+    with os.scandir(fd) as it:
+        for entry in it:
+            try:
+                out.append((os.fsencode(entry.name), entry.stat(follow_symlinks=False)))
+            except FileNotFoundError:
+                continue                                # removed while listing
+    return out
+
+
 def fsync_path(root: int, path: bytes, datasync: bool) -> None:
     fd = open_at(root, path, os.O_RDONLY | os.O_CLOEXEC)
     try:

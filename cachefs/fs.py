@@ -73,7 +73,8 @@ class Operations(pyfuse3.Operations):
         self._ns = cache.namespace                # BACKING's namespace, through the engine
         self._inodes = inodes
         self._control_path = os.fsencode(control_path)
-        self._dirs: dict[int, tuple[int, list, int]] = {}   # fh -> (ino, snapshot, dir_seq)
+        # fh -> (ino, snapshot, dir_seq, BACKING descriptor of the directory or -1)
+        self._dirs: dict[int, tuple[int, list, int, int]] = {}
         # Directories removed while the kernel still knows them (a process's cwd): their last
         # attributes, so stat(".") and opendir(".") work there as on Linux (nlink 0, empty).
         self._removed_dirs: dict[int, os.stat_result] = {}
@@ -453,20 +454,34 @@ class Operations(pyfuse3.Operations):
     # -- directories ---------------------------------------------------------------------
 
     async def opendir(self, inode, ctx):
+        fd = -1
         if inode not in self._removed_dirs:     # (those are listed empty)
-            self._path(inode)                   # ESTALE for a directory no longer known
+            path = self._path(inode)            # ESTALE for a directory no longer known
+            try:                # listed through this descriptor: renames do not matter
+                fd = await self._ns.open_dir(path, None if inode == ROOT_INODE else inode)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ESTALE, errno.EMFILE, errno.ENFILE):
+                    raise to_fuse_error(exc) from None
+                fd = -1                         # (mid-rename, or no descriptor: by path)
         fh = self._fh()
-        self._dirs[fh] = (inode, [], 0)
+        self._dirs[fh] = (inode, [], 0, fd)
         return fh
 
     async def readdir(self, fh, start_id, token):
-        parent, entries, seq = self._dirs[fh]
+        parent, entries, seq, fd = self._dirs[fh]
         if start_id == 0:
             # Listed from the start (first read, or after rewinddir): the entries as they are
             # now, as on a plain directory; later reads continue this snapshot.
             seq = self._inodes.dir_seq(parent)
-            entries = [(b".", None), (b"..", None), *await self._listing(parent)]
-            self._dirs[fh] = (parent, entries, seq)
+            if fd >= 0:
+                try:
+                    listed = await self._ns.scandir_fd(fd)
+                except OSError as exc:
+                    raise to_fuse_error(exc) from None
+            else:
+                listed = await self._listing(parent)
+            entries = [(b".", None), (b"..", None), *listed]
+            self._dirs[fh] = (parent, entries, seq, fd)
         # An entry of the snapshot that cachefs renamed or unlinked since must not be
         # remembered: its name would lead to whatever took that name. Then each is looked at
         # again (gone: left out; replaced: the new node).
@@ -527,7 +542,9 @@ class Operations(pyfuse3.Operations):
         return []
 
     async def releasedir(self, fh):
-        self._dirs.pop(fh, None)
+        d = self._dirs.pop(fh, None)
+        if d is not None and d[3] >= 0:
+            await self._ns.close_all([d[3]])
 
     @_errno_mapped
     async def fsyncdir(self, fh, datasync):

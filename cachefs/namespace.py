@@ -107,6 +107,12 @@ class Namespace:
     async def link(self, old: bytes, new: bytes) -> os.stat_result:
         return await self._backing.write_call(bp.link, self._root, old, new)
 
+    async def open_dir(self, path: bytes, ino: int | None) -> int:
+        return await self._backing.read_call("opendir", bp.open_dir, self._root, path, ino)
+
+    async def scandir_fd(self, fd: int) -> list:
+        return await self._backing.read_call("readdir", bp.scandir_fd, fd)
+
     async def scandir(self, path: bytes, ino: int | None = None) -> list:
         return await self._backing.read_call("readdir", bp.scandir, self._root, path, ino)
 
