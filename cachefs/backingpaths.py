@@ -383,20 +383,11 @@ def scandir(root: int, path: bytes, ino: int | None = None
             ) -> list[tuple[bytes, os.stat_result]]:
     """A directory's entries with their lstat, as a snapshot; ESTALE if the path leads to
     a directory other than BACKING's inode `ino` (renamed meanwhile)."""
-    out = []
-    fd = open_at(root, path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = open_dir(root, path, ino)
     try:
-        if ino is not None:
-            same_inode(os.fstat(fd), ino)
-        with os.scandir(fd) as it:
-            for entry in it:
-                try:
-                    out.append((os.fsencode(entry.name), entry.stat(follow_symlinks=False)))
-                except FileNotFoundError:
-                    continue                            # removed while listing
+        return scandir_fd(fd)
     finally:
         os.close(fd)
-    return out
 
 
 def open_dir(root: int, path: bytes, ino: int | None) -> int:

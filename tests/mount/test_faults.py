@@ -98,6 +98,17 @@ def test_a_backing_error_in_a_partly_cached_read_is_not_counted_as_the_ssds(make
     m.stop()
 
 
+def _every_other_extent(fd: int, size: int) -> bytes:
+    """Random bytes into every other 64 KiB extent of a `size`-byte file (zeros between):
+    each a run of its own for the destager. Returns the file's bytes."""
+    data = bytearray(size)
+    for off in range(0, size, 128 << 10):
+        data[off:off + (64 << 10)] = os.urandom(64 << 10)
+        os.pwrite(fd, data[off:off + (64 << 10)], off)
+    os.ftruncate(fd, size)
+    return bytes(data)
+
+
 def test_failed_destage_passes_are_not_taken_for_changes_behind_the_cache(make_mount,
                                                                            slow_backing):
     """A destage pass that fails part way leaves some of its writes in BACKING (its size and
@@ -107,15 +118,10 @@ def test_failed_destage_passes_are_not_taken_for_changes_behind_the_cache(make_m
     src, slow, sf = slow_backing
     m = make_mount("--mode", "write-back", "--max-dirty-age", "0.2", "--dirty-high", "8M",
                    "--dirty-low", "4M", backing=slow)
-    data = bytearray(4 << 20)
     fd = os.open(m.path("w"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         sf.set(eio=0.3)
-        for off in range(0, len(data), 128 << 10):    # every other extent: 32 runs a pass
-            data[off:off + (64 << 10)] = os.urandom(64 << 10)
-            os.pwrite(fd, data[off:off + (64 << 10)], off)
-        os.ftruncate(fd, len(data))
-        data = bytes(data)
+        data = _every_other_extent(fd, 4 << 20)       # 32 runs a pass
         wait_until(lambda: m.stats()["destage_errors"] >= 2, 30, what="failed destage passes")
         sf.set(eio=0)
         for _ in range(3):                  # opens revalidate against BACKING
@@ -142,21 +148,17 @@ def test_destaging_gets_through_a_backing_failing_a_few_per_cent_of_writes(make_
     src, slow, sf = slow_backing
     m = make_mount("--mode", "write-back", "--max-dirty-age", "0.2", "--dirty-high", "16M",
                    "--dirty-low", "8M", backing=slow)
-    data = bytearray(16 << 20)
     fd = os.open(m.path("w"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         sf.set(eio=0.05)
-        for off in range(0, len(data), 128 << 10):    # every other extent: 128 runs to write
-            data[off:off + (64 << 10)] = os.urandom(64 << 10)
-            os.pwrite(fd, data[off:off + (64 << 10)], off)
-        os.ftruncate(fd, len(data))
+        data = _every_other_extent(fd, 16 << 20)      # 128 runs to write
         t0 = time.monotonic()
         ctl_flush(m, timeout_s=90)
         took = time.monotonic() - t0
     finally:
         sf.set(eio=0)
         os.close(fd)
-    assert (src / "w").read_bytes() == bytes(data)
+    assert (src / "w").read_bytes() == data
     assert m.stats()["destage_errors"] >= 1, "no BACKING write failed: the test tests nothing"
     print(f"flush through 5 % failing writes took {took:.1f} s")
     m.stop()                                # before slowfs goes
