@@ -508,20 +508,19 @@ class Operations(pyfuse3.Operations):
         under way (on BACKING, not yet in the inode table) the path may lead elsewhere or
         nowhere: looked up again a few times before the answer is ESTALE (the kernel looks
         the name up again) or ENOENT."""
-        for pause in (0.001, 0.01, 0.05, None):
+        for pause in (0.001, 0.01, 0.05):
             try:
                 st = await self._ns.lstat(path)
-            except FileNotFoundError:
-                if pause is None:
-                    raise
-            else:
                 if self._inodes.ino_of(st) == inode:
                     return st
-                if pause is None:
-                    raise FUSEError(errno.ESTALE)   # the name leads elsewhere: look again
+            except FileNotFoundError:
+                pass
             await trio.sleep(pause)
             path = self._path(inode)
-        raise AssertionError("unreachable")
+        st = await self._ns.lstat(path)             # the last try: ENOENT goes to the caller
+        if self._inodes.ino_of(st) != inode:
+            raise FUSEError(errno.ESTALE)           # the name leads elsewhere: look again
+        return st
 
     async def _listing(self, parent: int) -> list:
         """BACKING's entries of directory `parent`. Its path may lead elsewhere, or nowhere,
