@@ -9,6 +9,7 @@
 # (the bare daemon then writes a copy of the file, so that cachefs never sees its file change
 # behind it; cachefs keeps its default dirty marks and write-back delay, so its destager
 # runs during the later rounds).
+# CACHEFS_OPTS="--no-fast-hits" adds options to the cachefs mount.
 # BARE_PYTHONPATH=DIR runs the bare daemon with DIR first on PYTHONPATH: a pyfuse3 installed
 # there without deps/passthrough/pyfuse3-queued-requests.patch gives the reference as the issue
 # measured it (a stock pyfuse3 loop: two scheduler passes per request).
@@ -27,7 +28,7 @@ BARE=data
 if [ "$RW" != randread ]; then BARE=bare; cp "$D/backing/data" "$D/backing/bare"; fi
 sync
 $PY -m cachefs_cli.main mount --cache-dir "$D/cache" --cache-size $((SIZE_MB * 2))M \
-    --mode "$MODE" --no-passthrough "$D/backing" "$D/nopt"
+    --mode "$MODE" --no-passthrough ${CACHEFS_OPTS:-} "$D/backing" "$D/nopt"
 dd if="$D/nopt/data" of=/dev/null bs=1M iflag=direct status=none     # one read warms it
 $PY bench/wait_cached.py "$D/nopt" $((SIZE_MB * 16)) 20 || true
 PYTHONPATH=${BARE_PYTHONPATH:-${PYTHONPATH:-}} $PY bench/passthrough.py mount "$D/backing" "$D/pt"

@@ -76,6 +76,7 @@ class Config:
     passthrough: bool = True              # FUSE passthrough for fully cached read-only opens
     passthrough_odirect: bool = False     # ... O_DIRECT ones too where BACKING takes any
     read_checksums: bool = True           # daemon hits check their blocks (integrity.py)
+    fast_hits: bool = True                # 4 KiB hits answered in C (hit.install_fast_hits)
     discard_dirty: bool = False           # a damaged database: set it aside, start cold
     scrub_interval_s: float = 7 * 86400   # background verification of every block (0: off)
     scrub_rate: int = 16 << 20            # bytes/s the scrub reads

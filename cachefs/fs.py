@@ -25,6 +25,7 @@ from .attrs import Attributes
 from .cache import Cache
 from .config import Config
 from .handles import Handles
+from .hit import install_fast_hits
 from .inodes import ROOT_INODE, InodeTable
 from .integrity import Damaged
 from .openmode import Answer, Kernel
@@ -106,6 +107,16 @@ class Operations(pyfuse3.Operations):
                      "suidgid.patch and a kernel that offers it"
                      if hasattr(pyfuse3, "killpriv_v2_enabled")
                      else "pyfuse3 without deps/passthrough/pyfuse3-kill-suidgid.patch")
+        why_not = ("--no-fast-hits" if not self._cfg.fast_hits
+                   else "--debug traces every request" if self._cfg.debug
+                   else install_fast_hits(self._open))
+        self._cache.stats.fast_hits = int(why_not is None)
+        if why_not is None:
+            log.info("fast hits: on (4 KiB cache hits are answered in C before the Python "
+                     "read handler)")
+        else:
+            log.info("fast hits: off (%s): every hit goes through the Python read handler",
+                     why_not)
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -10,18 +10,24 @@ Everything else about reads is in readpath.py.
 
 from __future__ import annotations
 
+import logging
 import os
+
+import pyfuse3
 
 from . import readahead
 from .config import BLK_SIZE
-from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile
+from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, Extent
 from .integrity import CHECK_READS, Damaged, block_sum, read_checked
+from .latency import NBUCKETS, Histogram
 from .policy import SequentialDetector
 from .stats import Stats
 
 BLK_MASK = BLK_SIZE - 1
 BLK_IN_EXT = BLKS_PER_EXT - 1
 SEQ_SLACK = SequentialDetector.SLACK
+
+log = logging.getLogger("cachefs.hit")
 
 
 class OpenFile:
@@ -104,3 +110,26 @@ class OpenFile:
         st.read_bytes += len(data)
         st.hit_bytes += len(data)
         return data
+
+
+def install_fast_hits(open_files: dict[int, OpenFile]) -> str | None:
+    """Let _hit.c answer 4 KiB hits before Operations.read (pyfuse3's read hook).
+
+    The C hook is read_hit's one-block branch on the same objects; every other read, and
+    every block it is not sure of, goes to Operations.read. Returns None when installed,
+    else why not (cachefs then serves every hit in Python, as before).
+    """
+    if not hasattr(pyfuse3, "set_read_hook"):
+        return "pyfuse3 without deps/passthrough/pyfuse3-read-hook.patch"
+    try:
+        from . import _hit
+    except ImportError as exc:
+        return f"the C module cachefs/_hit.c is not built ({exc})"
+    if (_hit.BLK_SIZE, _hit.EXT_SHIFT) != (BLK_SIZE, EXT_SHIFT):
+        return "cachefs/_hit.c was built for another block or extent size"
+    if _hit.block_sum(b"cachefs") != block_sum(b"cachefs"):
+        return "cachefs/_hit.c's xxh3 differs from the xxhash package's"
+    capsule = _hit.install(open_files, CHECK_READS, SEQ_SLACK, NBUCKETS, OpenFile, CachedFile,
+                           Extent, SequentialDetector, Stats, Histogram)
+    pyfuse3.set_read_hook(capsule, None, BLK_SIZE)
+    return None

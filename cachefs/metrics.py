@@ -101,6 +101,8 @@ GAUGES = (
     ("passthrough_enabled", "passthrough_on", "1 while FUSE passthrough is on."),
     ("killpriv_v2_enabled", "killpriv_v2_on", "1 while FUSE_HANDLE_KILLPRIV_V2 is on (no "
      "security.capability request before each write)."),
+    ("fast_hits_enabled", "fast_hits_on", "1 while 4 KiB cache hits are answered in C "
+     "(pyfuse3's read hook)."),
     ("passthrough_open_handles", "passthrough_open_handles", "Open handles in passthrough."),
     ("passthrough_held_files", "passthrough_held_files", "Files the kernel may read by "
      "itself (passthrough opens, mappings)."),

@@ -88,6 +88,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not check blocks' checksums on the daemon's cache hits (they are "
                    "still kept, and checked by the destager and `cachefs-ctl verify`); for "
                    "measuring what the check costs (-o no_read_checksums)")
+    p.add_argument("--no-fast-hits", dest="fast_hits", action="store_false",
+                   help="answer every cache hit in the Python read handler, not 4 KiB ones "
+                   "in C first; for comparisons (-o no_fast_hits)")
     p.add_argument("--check-invariants", action="store_true", help="after every change of "
                    "the extent map, check the invariants of docs/concurrency.md (costs CPU; "
                    "for tests and bug hunts: a violation stops the daemon with the reason)")
@@ -163,8 +166,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     no_passthrough = "no_passthrough" in fuse
     odirect = "passthrough_odirect" in fuse
     no_read_sums = "no_read_checksums" in fuse
-    fuse = [o for o in fuse
-            if o not in ("no_passthrough", "passthrough_odirect", "no_read_checksums")]
+    no_fast_hits = "no_fast_hits" in fuse
+    fuse = [o for o in fuse if o not in ("no_passthrough", "passthrough_odirect",
+                                         "no_read_checksums", "no_fast_hits")]
     for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
         if not path.strip():
             raise UserError(f"{what} is empty; give a directory.")
@@ -180,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         passthrough=bool(getattr(args, "passthrough", True)) and not no_passthrough,
         passthrough_odirect=bool(getattr(args, "passthrough_odirect", False)) or odirect,
         read_checksums=bool(getattr(args, "read_checksums", True)) and not no_read_sums,
+        fast_hits=bool(getattr(args, "fast_hits", True)) and not no_fast_hits,
         discard_dirty=bool(getattr(args, "discard_dirty", False)),
     )
     if "mode" in values:
@@ -255,6 +260,8 @@ def config_to_argv(cfg: Config) -> list[str]:
         argv.append("--passthrough-odirect")
     if not cfg.read_checksums:
         argv.append("--no-read-checksums")
+    if not cfg.fast_hits:
+        argv.append("--no-fast-hits")
     if cfg.discard_dirty:
         argv.append("--discard-dirty")
     return argv + [cfg.backing, cfg.mountpoint]

@@ -49,6 +49,9 @@ def render(s: dict) -> str:
         ("killpriv v2", {"on": "on (no security.capability request before each write)",
                          "off": "off (the kernel asks for security.capability before each "
                                 "write)"}.get(s.get("killpriv_v2"), "unknown")),
+        ("fast hits", {"on": "on (4 KiB hits answered in C, before the Python handler)",
+                       "off": "off (every hit goes through the Python read handler)"}
+                      .get(s.get("fast_hits"), "unknown")),
         ("integrity", integrity_summary(s)),
         ("BACKING health", health_summary(s.get("backing_health"))),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']} (full "

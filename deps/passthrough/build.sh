@@ -38,10 +38,12 @@ FUSE3_MIN=3.17.1
 # Applied in this order: FUSE passthrough, then taking queued requests without a scheduler pass,
 # then FUSE_CAP_HANDLE_KILLPRIV_V2 (needs the libfuse patch: the kernel's kill-suid/sgid flags),
 # then FUSE_CAP_DONT_MASK with POSIX ACLs (default ACLs replace the umask), then the
-# fallocate and lseek (SEEK_DATA/SEEK_HOLE) operations.
+# fallocate and lseek (SEEK_DATA/SEEK_HOLE) operations, then the C read hook (cache hits
+# answered without a coroutine: cachefs/_hit.c).
 PATCHES=("$HERE/pyfuse3-passthrough.patch" "$HERE/pyfuse3-queued-requests.patch"
          "$HERE/pyfuse3-kill-suidgid.patch" "$HERE/pyfuse3-acl-dont-mask.patch"
-         "$HERE/pyfuse3-fallocate.patch" "$HERE/pyfuse3-lseek.patch")
+         "$HERE/pyfuse3-fallocate.patch" "$HERE/pyfuse3-lseek.patch"
+         "$HERE/pyfuse3-read-hook.patch")
 LIBFUSE_PATCHES=("$HERE/libfuse-kill-suidgid.patch")
 REQS=$HERE/build-requirements.txt
 
