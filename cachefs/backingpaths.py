@@ -431,14 +431,18 @@ def fsync_path(root: int, path: bytes, datasync: bool) -> None:
 # takes the walk into the directory, and the last component is the node itself, whatever
 # its type (file, directory, symlink, fifo, socket, device). This needs /proc mounted. A node
 # with no name any more (open and unlinked) is reached through a descriptor of an open
-# handle (f*xattr).
+# handle (f*xattr). A call by path first checks that the name still leads to the node meant
+# (`ino`, its BACKING inode number; 0: the root): a file renamed on BACKING behind the mount
+# and another put at its name must not get the first one's xattrs (ESTALE instead).
 
 _PROC_FD = b"/proc/self/fd/%d/%s"
 
 
 @contextlib.contextmanager
-def _xattr_path(root: int, rel: bytes) -> Iterator[bytes]:
+def _xattr_path(root: int, rel: bytes, ino: int) -> Iterator[bytes]:
     with at(root, rel) as (dfd, r):
+        if ino and os.stat(r, dir_fd=dfd, follow_symlinks=False).st_ino != ino:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
         path = _PROC_FD % (dfd, r)
         if len(path) < PATH_MAX:
             yield path
@@ -457,29 +461,30 @@ def _by_fd(fd: int) -> int | str:
     return f"/proc/self/fd/{fd}" if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_PATH else fd
 
 
-def getxattr(root: int, rel: bytes, fd: int | None, name: bytes) -> bytes:
+def getxattr(root: int, rel: bytes, fd: int | None, name: bytes, ino: int = 0) -> bytes:
     if fd is not None:
         return os.getxattr(_by_fd(fd), name)
-    with _xattr_path(root, rel) as path:
+    with _xattr_path(root, rel, ino) as path:
         return os.getxattr(path, name, follow_symlinks=False)
 
 
-def listxattr(root: int, rel: bytes, fd: int | None) -> list[str]:
+def listxattr(root: int, rel: bytes, fd: int | None, ino: int = 0) -> list[str]:
     if fd is not None:
         return os.listxattr(_by_fd(fd))
-    with _xattr_path(root, rel) as path:
+    with _xattr_path(root, rel, ino) as path:
         return os.listxattr(path, follow_symlinks=False)
 
 
-def setxattr(root: int, rel: bytes, fd: int | None, name: bytes, value: bytes) -> None:
+def setxattr(root: int, rel: bytes, fd: int | None, name: bytes, value: bytes,
+             ino: int = 0) -> None:
     if fd is not None:
         return os.setxattr(_by_fd(fd), name, value)
-    with _xattr_path(root, rel) as path:
+    with _xattr_path(root, rel, ino) as path:
         os.setxattr(path, name, value, 0, follow_symlinks=False)
 
 
-def removexattr(root: int, rel: bytes, fd: int | None, name: bytes) -> None:
+def removexattr(root: int, rel: bytes, fd: int | None, name: bytes, ino: int = 0) -> None:
     if fd is not None:
         return os.removexattr(_by_fd(fd), name)
-    with _xattr_path(root, rel) as path:
+    with _xattr_path(root, rel, ino) as path:
         os.removexattr(path, name, follow_symlinks=False)

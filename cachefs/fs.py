@@ -598,42 +598,54 @@ class Operations(pyfuse3.Operations):
         else:
             yield self._inodes.held_fd(inode)
 
+    async def _xattr_call(self, inode: int, call):
+        """`call(path, fd)` on `inode`: by path (which BACKING checks leads to the node, see
+        backingpaths) or through a descriptor. While a rename of it or of a directory above
+        it is under way the path may lead elsewhere (ESTALE) or nowhere: looked up again a
+        few times, as for getattr, before the error goes to the kernel."""
+        for pause in (0.001, 0.01, 0.05, None):
+            path = self._xattr_target(inode)
+            with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
+                try:
+                    return await call(path, fd)
+                except OSError as exc:
+                    if (path is None or pause is None
+                            or exc.errno not in (errno.ESTALE, errno.ENOENT)):
+                        raise
+            await trio.sleep(pause)
+
     @_errno_mapped
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             return self._control_path
-        path = self._xattr_target(inode)
-        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
-            return await self._ns.getxattr(path, fd, name, inode)
+        return await self._xattr_call(
+            inode, lambda path, fd: self._ns.getxattr(path, fd, name, inode))
 
     @_errno_mapped
     async def listxattr(self, inode, ctx):
-        path = self._xattr_target(inode)
-        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
-            names = await self._ns.listxattr(path, fd)
+        names = await self._xattr_call(
+            inode, lambda path, fd: self._ns.listxattr(path, fd, inode))
         return [os.fsencode(n) for n in names]
 
     @_errno_mapped
     async def setxattr(self, inode, name, value, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             raise FUSEError(errno.EPERM)
-        path = self._xattr_target(inode)
-        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
-            try:
-                await self._ns.setxattr(path, fd, name, value)
-            finally:
-                self._ns.xattrs_changed(inode)
+        try:
+            await self._xattr_call(
+                inode, lambda path, fd: self._ns.setxattr(path, fd, name, value, inode))
+        finally:
+            self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
         self._cache.backing_changed(inode)
 
     @_errno_mapped
     async def removexattr(self, inode, name, ctx):
-        path = self._xattr_target(inode)
-        with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
-            try:
-                await self._ns.removexattr(path, fd, name)
-            finally:
-                self._ns.xattrs_changed(inode)
+        try:
+            await self._xattr_call(
+                inode, lambda path, fd: self._ns.removexattr(path, fd, name, inode))
+        finally:
+            self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
         self._cache.backing_changed(inode)
 

@@ -17,6 +17,7 @@ import time
 
 from . import backingpaths as bp
 from .backing import Backing
+from .inodes import ROOT_INODE
 
 CAPS = b"security.capability"
 
@@ -187,7 +188,7 @@ class Namespace:
                 raise OSError(errno.ENODATA, os.strerror(errno.ENODATA))
         try:
             return await self._backing.read_call("getxattr", bp.getxattr, self._root, path,
-                                                 fd, name)
+                                                 fd, name, _backing_ino(ino))
         except OSError as exc:
             if exc.errno == errno.ENODATA and name == CAPS and ino:
                 self._no_caps.add(ino)
@@ -197,17 +198,27 @@ class Namespace:
         """An xattr of `ino` was set or removed through the mount."""
         self._no_caps.discard(ino)
 
-    async def listxattr(self, path: bytes | None, fd: int | None) -> list[str]:
-        return await self._backing.read_call("listxattr", bp.listxattr, self._root, path, fd)
+    async def listxattr(self, path: bytes | None, fd: int | None, ino: int = 0) -> list[str]:
+        return await self._backing.read_call("listxattr", bp.listxattr, self._root, path, fd,
+                                             _backing_ino(ino))
 
-    async def setxattr(self, path: bytes | None, fd: int | None, name: bytes, value: bytes
-                       ) -> None:
-        await self._backing.write_call(bp.setxattr, self._root, path, fd, name, value)
+    async def setxattr(self, path: bytes | None, fd: int | None, name: bytes, value: bytes,
+                       ino: int = 0) -> None:
+        await self._backing.write_call(bp.setxattr, self._root, path, fd, name, value,
+                                       _backing_ino(ino))
 
-    async def removexattr(self, path: bytes | None, fd: int | None, name: bytes) -> None:
-        await self._backing.write_call(bp.removexattr, self._root, path, fd, name)
+    async def removexattr(self, path: bytes | None, fd: int | None, name: bytes,
+                          ino: int = 0) -> None:
+        await self._backing.write_call(bp.removexattr, self._root, path, fd, name,
+                                       _backing_ino(ino))
 
     async def close_all(self, fds: list[int]) -> list[OSError]:
         """Close released descriptors in one thread call; returns the errors that are not
         BACKING health's (those are counted and logged there)."""
         return await self._backing.close_all(fds)
+
+
+def _backing_ino(ino: int) -> int:
+    """The BACKING inode number an xattr call by path checks its node against (inodes.py:
+    a node's FUSE inode is its BACKING st_ino, but for the root, which is not checked)."""
+    return 0 if ino == ROOT_INODE else ino

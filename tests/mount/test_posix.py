@@ -489,6 +489,36 @@ def test_xattrs_through_a_descriptor_reach_its_file_after_a_rename_behind_the_mo
     assert "user.who" not in os.listxattr(m.backing / "f")
 
 
+def test_xattrs_by_path_never_reach_another_file_put_at_the_name_behind_the_mount(mounted):
+    """The same with no open handle (an O_PATH descriptor never reaches the daemon): cachefs
+    names the node by its path, which now leads to the new f. The call must not change or
+    report the new file's xattrs: ESTALE (the name is no longer this file's)."""
+    m = mounted
+    m.path("f").write_bytes(b"old")
+    os.setxattr(m.path("f"), "user.old", b"1")
+    pfd = os.open(m.path("f"), os.O_PATH)
+    try:
+        os.rename(m.backing / "f", m.backing / "f.old")
+        (m.backing / "f").write_bytes(b"new")
+        os.setxattr(m.backing / "f", "user.new", b"2")
+        proc = f"/proc/self/fd/{pfd}"
+        for call in (lambda: os.setxattr(proc, "user.who", b"opath-of-old"),
+                     lambda: os.removexattr(proc, "user.new"),
+                     lambda: os.getxattr(proc, "user.new"),
+                     lambda: os.listxattr(proc)):
+            try:
+                got = call()
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE, exc
+            else:
+                assert got in (None, b"1", ["user.old"]), got      # only ever the old file's
+    finally:
+        os.close(pfd)
+    assert os.listxattr(m.backing / "f") == ["user.new"]
+    assert os.getxattr(m.backing / "f", "user.new") == b"2"
+    assert "user.who" not in os.listxattr(m.backing / "f.old")
+
+
 def test_rename_file_and_over_existing_target(mounted):
     m = mounted
     m.path("a").write_bytes(b"A" * 5000)
