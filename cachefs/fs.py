@@ -54,6 +54,11 @@ def _errno_mapped(handler):
     return mapped
 
 
+# How long a path is looked up again while a rename of the node, or of a directory above
+# it, is under way (done on BACKING, not yet in the inode table): ~60 ms in all.
+RENAME_PAUSES_S = (0.001, 0.01, 0.05)
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
@@ -519,7 +524,7 @@ class Operations(pyfuse3.Operations):
         under way (on BACKING, not yet in the inode table) the path may lead elsewhere or
         nowhere: looked up again a few times before the answer is ESTALE (the kernel looks
         the name up again) or ENOENT."""
-        for pause in (0.001, 0.01, 0.05):
+        for pause in RENAME_PAUSES_S:
             try:
                 st = await self._ns.lstat(path)
                 if self._inodes.ino_of(st) == inode:
@@ -539,7 +544,7 @@ class Operations(pyfuse3.Operations):
         the inode table): looked up again a few times; empty only once it is removed (as
         on Linux, "." and ".." too). A path taken as it was listed another directory's
         entries (and the kernel kept them as this one's), or none."""
-        for pause in (0.001, 0.01, 0.05, None):
+        for pause in (*RENAME_PAUSES_S, None):
             try:
                 return await self._ns.scandir(self._inodes.path(parent),
                                               None if parent == ROOT_INODE else parent)
@@ -603,7 +608,7 @@ class Operations(pyfuse3.Operations):
         backingpaths) or through a descriptor. While a rename of it or of a directory above
         it is under way the path may lead elsewhere (ESTALE) or nowhere: looked up again a
         few times, as for getattr, before the error goes to the kernel."""
-        for pause in (0.001, 0.01, 0.05, None):
+        for pause in (*RENAME_PAUSES_S, None):
             path = self._xattr_target(inode)
             with self._node_fd(inode) if path is None else contextlib.nullcontext() as fd:
                 try:
