@@ -149,9 +149,11 @@ class Coherence:
         self._s.persist_identity(cf)
 
     def logical_size(self, ino: int, backing_size: int) -> int:
-        """The size programs see: BACKING's, or larger while extending writes are dirty."""
+        """The size programs see: BACKING's, or the engine's while extending writes are dirty
+        or a write-back truncate that shrank the file has not cut BACKING yet (`cutting`:
+        BACKING may be shorter than the new size then, its data past it was dirty)."""
         cf = self.files.get(ino)
-        if cf is None or not cf.dirty_exts:
+        if cf is None or not (cf.dirty_exts or cf.cutting):
             return backing_size
         return cf.size
 

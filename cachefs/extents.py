@@ -93,7 +93,7 @@ class CachedFile:
                  "fills", "writes_inflight", "meta_inflight", "doomed", "path", "wb_fd",
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
-                 "shrinking", "held", "verified", "times", "backing_unsynced",
+                 "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
                  "kernel_stale")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
@@ -119,6 +119,8 @@ class CachedFile:
         self.ctime_pending = False         # an own change moved BACKING's ctime, stat unknown
         self.recovered = False             # loaded after an unclean stop, not yet revalidated
         self.shrinking = None              # trio.Event while a write-back truncate commits
+        self.cutting = False               # write-back: shrunk, BACKING not cut yet (its
+                                           # bytes past `size` are no longer the file's)
         self.held = None                   # openmode.Held while the kernel may read the
                                            # cache file itself (passthrough opens, mappings)
         self.verified = True               # every block checked or written by this mount

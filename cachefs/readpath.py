@@ -63,7 +63,31 @@ class ReadPath:
         raise OSError(errno.EIO, "cached data keeps failing its checksums")
 
     async def read_miss(self, of: OpenFile, off: int, size: int) -> bytes:
-        """Answer a read from BACKING; start promotion of extents that earned it."""
+        """Answer a read from BACKING; start promotion of extents that earned it.
+
+        Write-back: the file's size is the engine's (`cf.size`), not BACKING's, and BACKING
+        may be shorter: past BACKING's end, where no dirty block says otherwise, the file has
+        zeros (an extending write's hole; dirty data cut off by a truncate since). Those are
+        added here whatever happened during the BACKING reads (a truncate that took the last
+        dirty block left the overlay nothing to pad for). While a truncate that shrank the file
+        has not cut BACKING yet (`cutting`), the kernel, its setattr not answered, still
+        reads at the old size: what BACKING holds past the new end is no longer the file's
+        (older bytes of blocks that were dirty), so such reads end at the new end."""
+        cf = of.cfile
+        if not self._s.write_back:
+            return await self._read_miss(of, off, size)
+        if cf.cutting:
+            size = min(off + size, cf.size) - off
+            if size <= 0:
+                self.stats.read_ops += 1
+                return b""
+        data = await self._read_miss(of, off, size)
+        end = min(off + size, cf.size)
+        if len(data) < end - off:
+            data += bytes(end - off - len(data))
+        return data
+
+    async def _read_miss(self, of: OpenFile, off: int, size: int) -> bytes:
         cf = of.cfile
         st = self.stats
         if cf.extents:

@@ -454,6 +454,7 @@ class WritePath(HeldWrites, Allocations):
             # writes to the file wait (a write past the end would expose them in the block
             # holding it), so the cut can follow the commit (invariant I5 after a crash).
             cf.size = size
+            cf.cutting = True
             self._s.persist_identity(cf)
             cf.shrinking = trio.Event()
             try:
@@ -469,6 +470,7 @@ class WritePath(HeldWrites, Allocations):
                                                fd, size, None if fd is not None else cf.ino)
         finally:
             cf.writes_inflight -= 1
+            cf.cutting = False
             # Fills that read the old contents during the call may have been installed.
             self._trim(cf, min(size, cf.size), cut_file=False)
         self._c.own_change(cf, st, size_exact=True)
