@@ -42,9 +42,12 @@ static PyObject *one, *blk;     /* the ints 1 and BLK_SIZE */
 /* The classes whose slots the hit reads, and the slots' offsets. */
 enum { OPENFILE, CACHEDFILE, EXTENT, SEQDETECTOR, STATS, HISTOGRAM, NTYPES };
 static PyTypeObject *types[NTYPES];
-static Py_ssize_t of_cfile, of_seq, of_stats, cf_size, cf_extents, cf_cache_fd, x_valid,
-    x_freq, x_summed, x_sums, seq_next_off, seq_run, st_read_ops, st_hit_ops, st_read_bytes,
-    st_hit_bytes, st_lat_hit, h_counts, h_count, h_sum_ns;
+struct offsets {
+    Py_ssize_t of_cfile, of_seq, of_stats, cf_size, cf_extents, cf_cache_fd, x_valid, x_freq,
+        x_summed, x_sums, seq_next_off, seq_run, st_read_ops, st_hit_ops, st_read_bytes,
+        st_hit_bytes, st_lat_hit, h_counts, h_count, h_sum_ns;
+};
+static struct offsets S;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -100,7 +103,7 @@ static int add_slot(PyObject *o, Py_ssize_t off, PyObject *step)
 /* Is the block at buf what x.sums[b] says (integrity.block_sum)? 1, 0, or -1 if unknown. */
 static int sum_matches(PyObject *x, int b, const char *buf)
 {
-    PyObject *sums = SLOT(x, x_sums);
+    PyObject *sums = SLOT(x, S.x_sums);
     if (sums == NULL)
         return -1;
     PyObject *want = PySequence_GetItem(sums, b);
@@ -116,12 +119,12 @@ static int sum_matches(PyObject *x, int b, const char *buf)
 /* The bookkeeping of a hit that is answered: read_hit's freq, stream and counters. */
 static int note_hit(PyObject *of, PyObject *x, long long off, long long freq)
 {
-    if (freq < 3 && set_ll(x, x_freq, freq + 1) < 0)
+    if (freq < 3 && set_ll(x, S.x_freq, freq + 1) < 0)
         return -1;
-    PyObject *seq = SLOT(of, of_seq);           /* SequentialDetector.note, as read_hit */
+    PyObject *seq = SLOT(of, S.of_seq);         /* SequentialDetector.note, as read_hit */
     long long next_off, run;
-    if (seq == NULL || !Py_IS_TYPE(seq, types[SEQDETECTOR]) || get_ll(seq, seq_next_off, &next_off)
-        || get_ll(seq, seq_run, &run))
+    if (seq == NULL || !Py_IS_TYPE(seq, types[SEQDETECTOR])
+        || get_ll(seq, S.seq_next_off, &next_off) || get_ll(seq, S.seq_run, &run))
         return -1;
     if (next_off >= 0 && off - next_off >= -seq_slack && off - next_off <= seq_slack) {
         run += BLK_SIZE;
@@ -131,12 +134,12 @@ static int note_hit(PyObject *of, PyObject *x, long long off, long long freq)
         run = BLK_SIZE;
         next_off = off + BLK_SIZE;
     }
-    if (set_ll(seq, seq_run, run) < 0 || set_ll(seq, seq_next_off, next_off) < 0)
+    if (set_ll(seq, S.seq_run, run) < 0 || set_ll(seq, S.seq_next_off, next_off) < 0)
         return -1;
-    PyObject *st = SLOT(of, of_stats);
-    if (st == NULL || !Py_IS_TYPE(st, types[STATS]) || add_slot(st, st_read_ops, one) < 0
-        || add_slot(st, st_hit_ops, one) < 0 || add_slot(st, st_read_bytes, blk) < 0
-        || add_slot(st, st_hit_bytes, blk) < 0)
+    PyObject *st = SLOT(of, S.of_stats);
+    if (st == NULL || !Py_IS_TYPE(st, types[STATS]) || add_slot(st, S.st_read_ops, one) < 0
+        || add_slot(st, S.st_hit_ops, one) < 0 || add_slot(st, S.st_read_bytes, blk) < 0
+        || add_slot(st, S.st_hit_bytes, blk) < 0)
         return -1;
     return 0;
 }
@@ -155,19 +158,19 @@ static Py_ssize_t bucket_of(long long ns)
 static int note_latency(PyObject *of, long long ns)
 {
     Py_ssize_t i = bucket_of(ns);
-    PyObject *st = SLOT(of, of_stats);
-    PyObject *h = st && Py_IS_TYPE(st, types[STATS]) ? SLOT(st, st_lat_hit) : NULL;
+    PyObject *st = SLOT(of, S.of_stats);
+    PyObject *h = st && Py_IS_TYPE(st, types[STATS]) ? SLOT(st, S.st_lat_hit) : NULL;
     if (h == NULL || !Py_IS_TYPE(h, types[HISTOGRAM]))
         return -1;
     int r = -1;
-    PyObject *counts = SLOT(h, h_counts);
+    PyObject *counts = SLOT(h, S.h_counts);
     PyObject *v = PyLong_FromLongLong(ns);
     if (v != NULL && counts != NULL
         && PyList_CheckExact(counts) && PyList_GET_SIZE(counts) > i) {
         PyObject *n = PyNumber_Add(PyList_GET_ITEM(counts, i), one);
         if (n != NULL) {
             PyList_SetItem(counts, i, n);           /* steals n */
-            if (add_slot(h, h_count, one) == 0 && add_slot(h, h_sum_ns, v) == 0)
+            if (add_slot(h, S.h_count, one) == 0 && add_slot(h, S.h_sum_ns, v) == 0)
                 r = 0;
         }
     }
@@ -180,11 +183,11 @@ static int note_latency(PyObject *of, long long ns)
 static Py_ssize_t read_block(PyObject *of, long long off, char *buf)
 {
     long long size, valid, fd, summed, freq;
-    PyObject *cf = SLOT(of, of_cfile);
-    if (cf == NULL || !Py_IS_TYPE(cf, types[CACHEDFILE]) || get_ll(cf, cf_size, &size)
+    PyObject *cf = SLOT(of, S.of_cfile);
+    if (cf == NULL || !Py_IS_TYPE(cf, types[CACHEDFILE]) || get_ll(cf, S.cf_size, &size)
         || off + BLK_SIZE > size)
         return -1;
-    PyObject *extents = SLOT(cf, cf_extents);
+    PyObject *extents = SLOT(cf, S.cf_extents);
     if (extents == NULL || !PyDict_CheckExact(extents))
         return -1;
     PyObject *key = PyLong_FromLongLong(off >> EXT_SHIFT);
@@ -195,8 +198,8 @@ static Py_ssize_t read_block(PyObject *of, long long off, char *buf)
     if (x == NULL || !Py_IS_TYPE(x, types[EXTENT]))
         return -1;
     int b = (int)((off >> BLK_SHIFT) & BLK_IN_EXT);
-    if (get_ll(x, x_valid, &valid) || !((valid >> b) & 1) || get_ll(x, x_freq, &freq)
-        || get_ll(cf, cf_cache_fd, &fd) || get_ll(x, x_summed, &summed))
+    if (get_ll(x, S.x_valid, &valid) || !((valid >> b) & 1) || get_ll(x, S.x_freq, &freq)
+        || get_ll(cf, S.cf_cache_fd, &fd) || get_ll(x, S.x_summed, &summed))
         return -1;
     ssize_t n = pread((int)fd, buf, BLK_SIZE, off);
     if (n < 0)          /* the SSD failed us: read_hit counts it and BACKING answers */
@@ -264,24 +267,26 @@ static PyObject *install(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "check_reads must be a list of one bool");
         return NULL;
     }
-    if (find_slot(t[OPENFILE], "cfile", &of_cfile) || find_slot(t[OPENFILE], "seq", &of_seq)
-        || find_slot(t[OPENFILE], "stats", &of_stats)
-        || find_slot(t[CACHEDFILE], "size", &cf_size)
-        || find_slot(t[CACHEDFILE], "extents", &cf_extents)
-        || find_slot(t[CACHEDFILE], "cache_fd", &cf_cache_fd)
-        || find_slot(t[EXTENT], "valid", &x_valid) || find_slot(t[EXTENT], "freq", &x_freq)
-        || find_slot(t[EXTENT], "summed", &x_summed) || find_slot(t[EXTENT], "sums", &x_sums)
-        || find_slot(t[SEQDETECTOR], "next_off", &seq_next_off)
-        || find_slot(t[SEQDETECTOR], "run", &seq_run)
-        || find_slot(t[STATS], "read_ops", &st_read_ops)
-        || find_slot(t[STATS], "hit_ops", &st_hit_ops)
-        || find_slot(t[STATS], "read_bytes", &st_read_bytes)
-        || find_slot(t[STATS], "hit_bytes", &st_hit_bytes)
-        || find_slot(t[STATS], "lat_hit", &st_lat_hit)
-        || find_slot(t[HISTOGRAM], "counts", &h_counts)
-        || find_slot(t[HISTOGRAM], "count", &h_count)
-        || find_slot(t[HISTOGRAM], "sum_ns", &h_sum_ns))
-        return NULL;
+    struct offsets o;
+    if (find_slot(t[OPENFILE], "cfile", &o.of_cfile) || find_slot(t[OPENFILE], "seq", &o.of_seq)
+        || find_slot(t[OPENFILE], "stats", &o.of_stats)
+        || find_slot(t[CACHEDFILE], "size", &o.cf_size)
+        || find_slot(t[CACHEDFILE], "extents", &o.cf_extents)
+        || find_slot(t[CACHEDFILE], "cache_fd", &o.cf_cache_fd)
+        || find_slot(t[EXTENT], "valid", &o.x_valid) || find_slot(t[EXTENT], "freq", &o.x_freq)
+        || find_slot(t[EXTENT], "summed", &o.x_summed) || find_slot(t[EXTENT], "sums", &o.x_sums)
+        || find_slot(t[SEQDETECTOR], "next_off", &o.seq_next_off)
+        || find_slot(t[SEQDETECTOR], "run", &o.seq_run)
+        || find_slot(t[STATS], "read_ops", &o.st_read_ops)
+        || find_slot(t[STATS], "hit_ops", &o.st_hit_ops)
+        || find_slot(t[STATS], "read_bytes", &o.st_read_bytes)
+        || find_slot(t[STATS], "hit_bytes", &o.st_hit_bytes)
+        || find_slot(t[STATS], "lat_hit", &o.st_lat_hit)
+        || find_slot(t[HISTOGRAM], "counts", &o.h_counts)
+        || find_slot(t[HISTOGRAM], "count", &o.h_count)
+        || find_slot(t[HISTOGRAM], "sum_ns", &o.h_sum_ns))
+        return NULL;                    /* (the hook in use, if any, keeps what it had) */
+    S = o;
     for (int i = 0; i < NTYPES; i++) {
         Py_INCREF(t[i]);
         Py_XSETREF(types[i], t[i]);

@@ -129,7 +129,10 @@ def install_fast_hits(open_files: dict[int, OpenFile]) -> str | None:
         return "cachefs/_hit.c was built for another block or extent size"
     if _hit.block_sum(b"cachefs") != block_sum(b"cachefs"):
         return "cachefs/_hit.c's xxh3 differs from the xxhash package's"
-    capsule = _hit.install(open_files, CHECK_READS, SEQ_SLACK, NBUCKETS, OpenFile, CachedFile,
-                           Extent, SequentialDetector, Stats, Histogram)
+    try:
+        capsule = _hit.install(open_files, CHECK_READS, SEQ_SLACK, NBUCKETS, OpenFile,
+                               CachedFile, Extent, SequentialDetector, Stats, Histogram)
+    except (TypeError, ValueError) as exc:      # a slot renamed or gone: _hit.c is behind
+        return f"cachefs/_hit.c does not fit the engine's objects ({exc})"
     pyfuse3.set_read_hook(capsule, None, BLK_SIZE)
     return None

@@ -159,3 +159,11 @@ def test_the_c_hit_declines_objects_of_other_types(tmp_path):
     finally:
         install({})
         os.close(fd)
+
+
+def test_objects_without_the_slots_the_c_hit_reads_are_refused_at_install():
+    class NoSlots:
+        pass
+    with pytest.raises(TypeError, match="is not a slot"):
+        _hit.install({}, integrity.CHECK_READS, SequentialDetector.SLACK, NBUCKETS, OpenFile,
+                     CachedFile, NoSlots, SequentialDetector, Stats, Histogram)
