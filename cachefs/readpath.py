@@ -180,6 +180,8 @@ class ReadPath:
         for group in groups:
             g_off = group[0] << EXT_SHIFT
             g_size = min((group[-1] + 1) << EXT_SHIFT, cf.size) - g_off
+            if g_size <= 0:     # a truncate during an earlier group's read ended the file
+                return None     # before this group: read as for any miss
             fill = [e for e in group if complete and e not in cf.fills
                     and (e in cf.extents or filling)]
             for e in fill:
