@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import stat as stat_mod
+import traceback
 from time import perf_counter_ns
 
 import pyfuse3
@@ -29,6 +30,7 @@ from .hit import install_fast_hits
 from .inodes import ROOT_INODE, InodeTable
 from .integrity import Damaged
 from .openmode import Answer, Kernel
+from .oplog import RateLimitedLog
 
 log = logging.getLogger("cachefs.fs")
 
@@ -84,6 +86,7 @@ class Operations(pyfuse3.Operations):
         # Directories removed while the kernel still knows them (a process's cwd): their last
         # attributes, so stat(".") and opendir(".") work there as on Linux (nlink 0, empty).
         self._removed_dirs: dict[int, os.stat_result] = {}
+        self._limited = RateLimitedLog(log)       # errors a loop of requests may repeat
         self._attrs = Attributes(cfg, cache)
         self._attr = self._attrs.of
         self._next_fh = 1
@@ -414,6 +417,14 @@ class Operations(pyfuse3.Operations):
                 raise to_fuse_error(err) from None
         except OSError as exc:
             raise to_fuse_error(exc) from None
+        except FUSEError:
+            raise
+        except Exception:                       # a bug: this read fails, not the mount
+            of.stats.internal_errors += 1       # (anything but FUSEError ends pyfuse3's loop)
+            self._limited.error(("read", fh), "read of inode %d at %d (%d bytes) failed "
+                                "with an error in cachefs (EIO):\n%s", of.ino, off, size,
+                                traceback.format_exc())
+            raise FUSEError(errno.EIO) from None
         of.stats.lat_hit.add(perf_counter_ns() - t0)
         return data
 

@@ -56,8 +56,8 @@ def render(s: dict) -> str:
         ("BACKING health", health_summary(s.get("backing_health"))),
         ("errors", f"BACKING {s['backing_errors']}, cache {s['cache_errors']} (full "
                    f"{s.get('cache_full_events', 0)}), metadata commits "
-                   f"{s.get('metadata_errors', 0)}; writes around the cache "
-                   f"{s.get('writes_around', 0)}"),
+                   f"{s.get('metadata_errors', 0)}, internal {s.get('internal_errors', 0)}; "
+                   f"writes around the cache {s.get('writes_around', 0)}"),
         *_lifetime_rows(s.get("lifetime")),
     ]
     width = max(len(k) for k, _ in rows)

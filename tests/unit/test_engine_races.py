@@ -215,3 +215,30 @@ async def test_a_file_removed_while_a_prefetch_waits_for_a_read_slot_gets_no_cac
     assert ino not in eng.cache.files
     assert len(eng.cache.state.pool) == 0 and eng.cache.state.used_bytes() == 0
     assert job.loaded == 0
+
+
+async def test_an_unexpected_error_in_a_read_fails_that_read_not_the_mount(engine):
+    """Only FUSEError may leave a pyfuse3 handler: anything else ends its main loop, and
+    the mount with it (a read racing a truncate did, test_read_vs_shrink.py). A bug in the
+    read path now fails the read with EIO, counted and logged with its traceback."""
+    import errno as errno_mod
+
+    import pyfuse3
+
+    from cachefs.fs import Operations
+    from cachefs.inodes import InodeTable
+
+    eng = engine(pool_exts=4, mode="write-through")
+    eng.make_file("f", os.urandom(2 * EXT))
+    of = await eng.open("f")
+    ops = Operations(eng.cfg, eng.cache, InodeTable(os.fstat(eng.backing.root_fd)), "/nowhere")
+    ops._open[of.fh] = of
+
+    async def broken(*args):
+        raise ValueError("negative count")
+
+    eng.cache.read_miss = broken
+    with pytest.raises(pyfuse3.FUSEError) as err:
+        await ops.read(of.fh, 0, BLK)
+    assert err.value.errno == errno_mod.EIO
+    assert of.stats.internal_errors == 1
