@@ -52,6 +52,10 @@ class HeldWrites:
         self.stats.backing_write_ops += 1
         self.stats.backing_write_bytes += written
         self._c.own_change(cf, st, size_exact=False)
+        # A commit may have started punching holes of extents removed earlier (a truncate,
+        # an eviction) while BACKING wrote: blocks added there now would be zeroed, and the
+        # map refuses them (the daemon died on it, InvariantError).
+        await self._wait_punched(cf, min(off, old_size), end)
         grew = off > old_size and cf.held is not None and self._fill_gap(cf, old_size, off)
         self._mirror(cf, off, memoryview(data)[:written])
         if grew:

@@ -242,3 +242,45 @@ async def test_an_unexpected_error_in_a_read_fails_that_read_not_the_mount(engin
         await ops.read(of.fh, 0, BLK)
     assert err.value.errno == errno_mod.EIO
     assert of.stats.internal_errors == 1
+
+
+async def test_a_write_past_the_end_of_a_held_file_waits_for_holes_punched_meanwhile(engine):
+    """A held file (the kernel reads its cache file itself, passthrough) grows by a write
+    past its end: the gap gets zero blocks in the map and the cache file. While BACKING
+    wrote, a commit started punching the hole of an extent of that gap (removed earlier by
+    a truncate). The gap's extent was added regardless: InvariantError, and the daemon died
+    (a helper's race hunt: truncates, a shared mapping and writes past the end)."""
+    from cachefs.openmode import Held
+
+    eng = engine(pool_exts=8, mode="write-through")
+    eng.make_file("f", os.urandom(EXT))
+    of = await eng.open("f")
+    cf = of.cfile
+    cf.held = Held(cf)
+    persister = eng.cache.persister
+    real_write = eng.backing.write_call
+    gap_ext = 2                                     # the write lands in extent 4
+
+    async def write_call(fn, *args):
+        result = await real_write(fn, *args)
+        if fn.__name__ == "_pwrite_stat":           # a commit starts punching extent 2
+            persister._punching = {(cf.ino, gap_ext)}
+            persister._punched = trio.Event()
+
+            async def punched():
+                await trio.sleep(0.05)
+                persister._punching = set()
+                persister._punched.set()
+            nursery.start_soon(punched)
+        return result
+
+    eng.backing.write_call = write_call
+    data = os.urandom(BLK)
+    async with trio.open_nursery() as nursery:
+        assert await eng.cache.write(of, 4 * EXT, data) == BLK
+    eng.backing.write_call = real_write
+    assert cf.size == 4 * EXT + BLK
+    assert eng.cached(of, 4 * EXT, BLK) == data
+    assert eng.cached(of, gap_ext * EXT, BLK) == bytes(BLK)      # the gap: zeros, valid
+    assert (eng.backing_dir / "f").read_bytes()[4 * EXT:] == data
+    cf.held = None
