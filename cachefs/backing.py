@@ -217,8 +217,11 @@ _OP_NAMES = {"_pwrite_stat": "write", "pwrite_all": "write", "truncate_stat": "t
 def counted(fn: Callable[..., Any], exc: OSError) -> bool:
     """Whether a failed call tells of BACKING's health (health.COUNTED). ENOSPC from
     setxattr is this attribute not fitting (ext4: the xattr space of one inode), not a full
-    file system: the caller gets it, as on BACKING itself."""
-    return exc.errno in COUNTED and not (fn is setxattr and exc.errno == errno.ENOSPC)
+    file system, and ENXIO from lseek is SEEK_DATA/SEEK_HOLE's answer past the end or after
+    the last data (a file that shrank meanwhile), not a device gone: the caller gets them,
+    as on BACKING itself."""
+    return exc.errno in COUNTED and not (fn is setxattr and exc.errno == errno.ENOSPC
+                                         or fn is os.lseek and exc.errno == errno.ENXIO)
 
 
 def op_name(fn: Callable[..., Any]) -> str:

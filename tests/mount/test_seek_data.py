@@ -83,3 +83,48 @@ def test_seek_data_and_hole_match_a_plain_file(make_mount, tmp_path, mode):
         ctl_flush(m)
     assert answers(m.path("f")) == answers(ref), "after the flush"
     assert answers(m.backing / "f") == answers(ref), "BACKING after the flush"
+
+
+@pytest.mark.skipif(not _lseek_patched(), reason="pyfuse3 without the lseek patch: the "
+                    "kernel answers SEEK_DATA/SEEK_HOLE itself")
+def test_seeks_racing_a_shrinking_truncate_are_no_backing_failure(make_mount):
+    """BACKING's lseek answers ENXIO when the file shrank between cachefs's stat and its
+    lseek: the program's answer, as on ext4. It was counted as a failing BACKING (ENXIO is
+    also what a device gone says): thousands of `backing_errors` and WARNING lines in a few
+    seconds, and `stats` reported BACKING health failing (found by a helper's race hunt)."""
+    import multiprocessing as mp
+    import random
+    import time
+
+    m = make_mount()
+    path = str(m.path("f"))
+    with open(path, "wb") as f:
+        f.write(b"a" * (8 * MiB))
+
+    def truncater(stop):
+        rng = random.Random(1)
+        while not stop.is_set():
+            os.truncate(path, rng.choice([4 * KiB, 8 * MiB]))
+
+    stop = mp.Event()
+    proc = mp.Process(target=truncater, args=(stop,))
+    proc.start()
+    rng = random.Random(2)
+    fd = os.open(path, os.O_RDONLY)
+    seeks = 0
+    try:
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            try:
+                os.lseek(fd, rng.randrange(0, 8 * MiB), rng.choice([os.SEEK_DATA, os.SEEK_HOLE]))
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO
+            seeks += 1
+    finally:
+        stop.set()
+        proc.join(timeout=30)
+        os.close(fd)
+    assert seeks > 1000
+    s = m.stats()
+    assert s["backing_errors"] == 0, s["backing_errors"]
+    assert s["backing_health"]["state"] == "ok"
