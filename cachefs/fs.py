@@ -126,6 +126,10 @@ class Operations(pyfuse3.Operations):
             log.info("fast hits: off (%s): every hit goes through the Python read handler",
                      why_not)
 
+    def flush_log(self) -> None:
+        """At unmount: the counts of error lines held back (RateLimitedLog)."""
+        self._limited.flush()
+
     # -- helpers -------------------------------------------------------------------------
 
     def _fh(self) -> int:

@@ -303,6 +303,8 @@ class Daemon:
                               "recovers as after a crash", exc)
             self._save_lifetime()
             self.backing.health.flush()         # the counts of lines held back
+            if self.ops is not None:
+                self.ops.flush_log()
             summary = oplog.unmount_line(self.snapshot())
             try:
                 self.store.close(clean=clean)
