@@ -100,20 +100,20 @@ static int add_slot(PyObject *o, Py_ssize_t off, PyObject *step)
     return 0;
 }
 
-/* Is the block at buf what x.sums[b] says (integrity.block_sum)? 1, 0, or -1 if unknown. */
+/* Is the block at buf what x.sums[b] says (integrity.block_sum)? 1, 0, or -1 if unknown.
+ * x.sums is an array('I'): read through its buffer, without making an int of the sum. */
 static int sum_matches(PyObject *x, int b, const char *buf)
 {
     PyObject *sums = SLOT(x, S.x_sums);
-    if (sums == NULL)
+    Py_buffer view;
+    if (sums == NULL || PyObject_GetBuffer(sums, &view, PyBUF_FORMAT) < 0)
         return -1;
-    PyObject *want = PySequence_GetItem(sums, b);
-    if (want == NULL)
-        return -1;
-    unsigned long long w = PyLong_AsUnsignedLongLongMask(want);
-    Py_DECREF(want);
-    if (PyErr_Occurred())
-        return -1;
-    return (XXH3_64bits(buf, BLK_SIZE) & SUM_MASK) == w;
+    int r = -1;
+    if (view.itemsize == 4 && view.format != NULL && strcmp(view.format, "I") == 0
+        && view.len >= (Py_ssize_t)(b + 1) * 4)
+        r = (XXH3_64bits(buf, BLK_SIZE) & SUM_MASK) == ((const uint32_t *)view.buf)[b];
+    PyBuffer_Release(&view);
+    return r;
 }
 
 /* The bookkeeping of a hit that is answered: read_hit's freq, stream and counters. */
