@@ -331,13 +331,16 @@ def setattr(root: int, path: bytes, fd: int | None, mode: int | None, uid: int, 
 
 def _setattr_fd(fd: int, mode: int | None, uid: int, gid: int,
                 times: tuple[int | None, int | None] | None, touch: bool) -> os.stat_result:
+    """Through an open handle's descriptor, or an O_PATH one (InodeTable.hold: a node no
+    name reaches), which fchmod and fchown refuse: then through its /proc/self/fd link."""
     st = os.fstat(fd)
-    if mode is not None:
-        os.fchmod(fd, mode)
+    node = _by_fd(fd)
+    if mode is not None and not stat_mod.S_ISLNK(st.st_mode):
+        os.chmod(node, mode)
     if uid != -1 or gid != -1 or touch:
-        os.fchown(fd, uid, gid)
+        os.chown(node, uid, gid)
     if times is not None:
-        os.utime(fd, ns=_times_ns(st, times))
+        os.utime(node, ns=_times_ns(st, times))
     return os.fstat(fd)
 
 

@@ -219,7 +219,9 @@ class Operations(pyfuse3.Operations):
         try:
             path = self._inodes.path(inode)
         except OSError as exc:
-            if fd is None:
+            if fd is None and not fields.update_size:
+                fd = self._inodes.held_fd(inode)    # no name, no handle: an O_PATH holder
+            if fd is None or fd < 0:
                 raise to_fuse_error(exc) from None
             path = b""                          # unlinked but open: the fd does it all
         if fields.update_size:

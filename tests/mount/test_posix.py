@@ -471,6 +471,29 @@ def test_a_hard_link_held_through_the_name_that_went(mounted):
     assert m.path("B", "b").read_bytes() == b"linked" * 100
 
 
+def test_chmod_chown_utime_through_a_descriptor_of_a_nameless_node(mounted):
+    """A file held through an O_PATH descriptor (no open handle) loses its last name:
+    chmod, chown and utime through /proc/self/fd reach it, as on ext4 (they answered ESTALE:
+    cachefs knew no name of it, and an O_PATH descriptor takes no fchmod). (Flushed first: in
+    write-back a nameless node's unwritten bytes went with its last name, size included.)"""
+    m = mounted
+    m.path("f").write_bytes(b"data")
+    flushed(m)
+    pfd = os.open(m.path("f"), os.O_PATH)
+    try:
+        os.unlink(m.path("f"))
+        proc = f"/proc/self/fd/{pfd}"
+        os.chmod(proc, 0o604)
+        os.chown(proc, 1234, 5678)
+        os.utime(proc, ns=(1_000_000_000, 2_000_000_000))
+        st = os.stat(proc)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o604, 1234, 5678)
+        assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
+        assert st.st_size == 4 and st.st_nlink == 0
+    finally:
+        os.close(pfd)
+
+
 def test_xattrs_through_a_descriptor_reach_its_file_after_a_rename_behind_the_mount(mounted):
     """f is open; on BACKING (behind the mount) f is renamed to f.old and a new f made.
     fsetxattr on the descriptor must reach the open file (f.old), not the new f: cachefs
