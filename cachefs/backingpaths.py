@@ -268,9 +268,20 @@ def _holder(dfd: int, r: bytes) -> tuple[os.stat_result, int]:
     return st, fd
 
 
-def link(root: int, old: bytes, new: bytes) -> os.stat_result:
-    with at(root, old) as (ofd, o), at(root, new) as (nfd, n):
-        os.link(o, n, src_dir_fd=ofd, dst_dir_fd=nfd, follow_symlinks=False)
+_AT_EMPTY_PATH = 0x1000
+
+
+def link(root: int, old: bytes | None, new: bytes, fd: int | None = None) -> os.stat_result:
+    """link(2) of `old`, or (old None) of descriptor `fd`'s node: linkat(AT_EMPTY_PATH), which
+    needs CAP_DAC_READ_SEARCH (a node whose last name went stays unlinkable: ENOENT)."""
+    with at(root, new) as (nfd, n):
+        if old is None:
+            if libc.linkat(fd, b"", nfd, n, _AT_EMPTY_PATH) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+        else:
+            with at(root, old) as (ofd, o):
+                os.link(o, n, src_dir_fd=ofd, dst_dir_fd=nfd, follow_symlinks=False)
         return os.stat(n, dir_fd=nfd, follow_symlinks=False)
 
 

@@ -355,9 +355,15 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def link(self, inode, new_parent_inode, new_name, ctx):
         new = self._child(new_parent_inode, new_name)
-        old = self._path(inode)
-        with self._cache.changing(inode):
-            st = await self._ns.link(old, new)
+        try:
+            old = self._inodes.path(inode)
+        except OSError as exc:
+            old = None          # no known name (a hard link held through the name that went)
+            if not self._fds.has(inode) and self._inodes.held_fd(inode) < 0:
+                raise to_fuse_error(exc) from None
+        with self._cache.changing(inode), \
+                self._node_fd(inode) if old is None else contextlib.nullcontext() as fd:
+            st = await self._ns.link(old, new, fd)
             self._cache.own_metadata_change(inode, st)
         return self._entry(new_parent_inode, new_name, st)
 

@@ -105,8 +105,10 @@ class Namespace:
         O_PATH holder of the replaced file if that was its last name, or -1)"""
         return await self._backing.write_call(bp.rename, self._root, old, new, flags)
 
-    async def link(self, old: bytes, new: bytes) -> os.stat_result:
-        return await self._backing.write_call(bp.link, self._root, old, new)
+    async def link(self, old: bytes | None, new: bytes, fd: int | None = None
+                   ) -> os.stat_result:
+        """A new name for `old`, or (old None) for the node of descriptor `fd`."""
+        return await self._backing.write_call(bp.link, self._root, old, new, fd)
 
     async def open_dir(self, path: bytes, ino: int | None) -> int:
         return await self._backing.read_call("opendir", bp.open_dir, self._root, path, ino)

@@ -447,6 +447,12 @@ def test_an_unlinked_open_file_reopens_through_its_descriptor(mounted):
         os.close(fd)
 
 
+def _link_fd(fd: int, new) -> int:
+    """linkat(fd, "", AT_FDCWD, new, AT_EMPTY_PATH): 0 or the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return 0 if libc.linkat(fd, b"", -100, os.fsencode(new), 0x1000) == 0 else ctypes.get_errno()
+
+
 def test_a_hard_link_held_through_the_name_that_went(mounted):
     """A/a and B/b are one file; a process holds it through A/a (O_PATH), and A/a is
     removed. The kernel never looked B/b up, so cachefs knew no name of the file: fstat,
@@ -466,9 +472,13 @@ def test_a_hard_link_held_through_the_name_that_went(mounted):
         assert os.getxattr(proc, "user.k") == b"v"
         with open(proc, "rb") as f:
             assert f.read() == b"linked" * 100
+        assert _link_fd(fd, m.path("C")) == 0
+        assert os.stat(m.path("C")).st_nlink == 2
     finally:
         os.close(fd)
     assert m.path("B", "b").read_bytes() == b"linked" * 100
+    assert m.path("C").read_bytes() == b"linked" * 100
+    assert os.stat(m.backing / "C").st_ino == os.stat(m.backing / "B" / "b").st_ino
 
 
 def test_chmod_chown_utime_through_a_descriptor_of_a_nameless_node(mounted):
@@ -490,6 +500,7 @@ def test_chmod_chown_utime_through_a_descriptor_of_a_nameless_node(mounted):
         assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o604, 1234, 5678)
         assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
         assert st.st_size == 4 and st.st_nlink == 0
+        assert _link_fd(pfd, m.path("g")) == errno.ENOENT   # as on ext4: no name, no link
     finally:
         os.close(pfd)
 
