@@ -181,13 +181,14 @@ class Cache:
         fd, st, dfd = opened
         now = self.files.get(ino)
         if st.st_ino != ino or (now is not before and before is not None) or \
-                not st.st_nlink and (now is None or not now.doomed):
+                not st.st_nlink and (now is None or not now.doomed) and (named or self.write_back):
             # The name led to another file by the time BACKING opened it (a rename over it
             # in flight, here or on another host), or the file lost its last name meanwhile
             # and its cached data (its newest bytes, in write-back) went with it: ESTALE
             # makes the kernel look the name up again and retry the open, instead of this
             # inode's handle (its O_TRUNC, its writes, its destage) reaching that other
-            # file, or reading what is left of a removed one.
+            # file, or reading what is left of a removed one. (A write-through reopen
+            # through a descriptor of a removed file reads BACKING's, which has every byte.)
             os.close(fd)
             if dfd >= 0:
                 os.close(dfd)
@@ -198,6 +199,8 @@ class Cache:
             # read the cache file with O_DIRECT?)
             dio = await self.backing.read_call("open", dio_align, fd)
         cf = self.state.file_for(ino, st)
+        if not st.st_nlink:
+            cf.doomed = True            # no name: its data goes at the last release
         unchanged = self.coherence.revalidate(cf, st, token)
         if cf.kernel_stale:             # a lookup just before found the change: the kernel
             cf.kernel_stale = False     # must drop its pages in this open, not later

@@ -501,6 +501,14 @@ def test_chmod_chown_utime_through_a_descriptor_of_a_nameless_node(mounted):
         assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
         assert st.st_size == 4 and st.st_nlink == 0
         assert _link_fd(pfd, m.path("g")) == errno.ENOENT   # as on ext4: no name, no link
+        if "write-back" in m.args:      # its data (unwritten bytes too) went with its name
+            with pytest.raises(OSError) as exc:
+                open(proc, "rb")
+            assert exc.value.errno == errno.ESTALE
+        else:                           # BACKING has every byte: reopened through it
+            for _ in range(2):
+                with open(proc, "rb") as f:
+                    assert f.read() == b"data"
     finally:
         os.close(pfd)
 
