@@ -196,8 +196,13 @@ class OpenModes:
                 bid = self._register(cf)
                 if bid:
                     if h is None:
+                        # An earlier file of this inode number (BACKING reused it: a
+                        # removed temporary file's, in builds) may still be held, its opens
+                        # and mappings gone, to be let go: this Held takes its place and its
+                        # protection (by number), or that protection would never end.
+                        if of.ino not in self.held:
+                            self._s.pool.protect(of.ino)
                         h = cf.held = self.held[of.ino] = Held(cf)
-                        self._s.pool.protect(of.ino)
                     elif not h.current:         # mappings of a detached file may remain:
                         h.current = True        # they keep it; this is the new one
                         h.mapped_writable = False
