@@ -29,7 +29,7 @@ from .backingpaths import open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer, register, socket_path, unregister
-from .errors import CommandFailed, UserError
+from .errors import CommandFailed, InvariantError, UserError
 from .fs import Operations
 from .health import BackingHealth
 from .history import MAX_WINDOW_S, History
@@ -321,6 +321,20 @@ class Daemon:
         while True:
             await trio.sleep(0.5)
             self.cache.state.map.check()
+            self._check_protection()
+
+    def _check_protection(self) -> None:
+        """Each inode the eviction policy protects has one holder per owner: passthrough
+        (openmode's held files) and warm (pins, loads). A protection no owner holds would
+        keep its extents in the pool for good (it happened: a reused inode number)."""
+        want: dict[int, int] = {}
+        for ino in (*self.cache.modes.held, *self.warm.holders()):
+            want[ino] = want.get(ino, 0) + 1
+        have = self.cache.state.pool.protected
+        if have != want:
+            wrong = {ino: (have.get(ino, 0), want.get(ino, 0))
+                     for ino in set(have) | set(want) if have.get(ino, 0) != want.get(ino, 0)}
+            raise InvariantError(f"eviction protection (held, owned) by inode: {wrong}")
 
     async def _watch_backing(self) -> None:
         """Once a second: is a BACKING write stalled (running past --backing-timeout)?"""

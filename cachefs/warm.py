@@ -114,6 +114,10 @@ class Warm:
                 self.cache.pool.unprotect(ino)
         self.store.remove_pins(inos)
 
+    def holders(self) -> set[int]:
+        """Inodes warm protects from eviction (pinned, or being loaded): one hold each."""
+        return set(self.pins) | set(self._busy)
+
     def pinned_size(self) -> int:
         """Pool bytes the pins claim (whole extents of each pinned file's size)."""
         total = 0
