@@ -383,13 +383,18 @@ def truncate_stat(root: int, path: bytes, fd: int | None, size: int, ino: int | 
         os.close(fd)
 
 
-def fallocate_stat(fd: int, mode: int, off: int, size: int) -> os.stat_result:
-    """fallocate(2) on a BACKING file (any mode: Python has only posix_fallocate)."""
+def fallocate(fd: int, mode: int, off: int, size: int) -> None:
+    """fallocate(2), any mode (Python has only posix_fallocate)."""
     libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
                                ctypes.c_longlong)
     if libc.fallocate(fd, mode, off, size) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def fallocate_stat(fd: int, mode: int, off: int, size: int) -> os.stat_result:
+    """fallocate(2) on a BACKING file; its stat after."""
+    fallocate(fd, mode, off, size)
     return fresh_fstat(fd)
 
 

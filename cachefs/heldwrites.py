@@ -10,6 +10,7 @@ and `sync_back`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -19,11 +20,13 @@ from .extentmap import spans
 from .config import BLK_SIZE, EXT_SIZE
 from .extents import EXT_SHIFT, CachedFile, covered_mask
 from .hit import OpenFile
+from .room import NO_SPACE
 from .state import MAPPED
 
 log = logging.getLogger("cachefs.writepath")
 
 _ZEROS = bytes(EXT_SIZE)
+_FALLOC_FL_KEEP_SIZE = 0x01
 
 
 class HeldWrites:
@@ -39,6 +42,7 @@ class HeldWrites:
         cf = of.cfile
         end = off + len(data)
         await self._wait_punched(cf, min(off, cf.size), end)
+        await self._reserve_held(cf, min(off, cf.size), end)
         old_size = cf.size
         cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
         cf.writes_inflight += 1
@@ -61,6 +65,28 @@ class HeldWrites:
         if grew:
             await self.persister.persist(durable=True)
         return written
+
+    async def _reserve_held(self, cf: CachedFile, off: int, end: int) -> None:
+        """Room in a held file's cache file for [off, end), allocated before anything else
+        changes (fallocate, the size kept): the kernel reads that file by itself, so a write
+        it cannot take would leave passthrough readers stale bytes (and in write-back it
+        held the only copy of dirty data: detaching it lost them). No room even after
+        evicting clean data and releasing its space: ENOSPC for this write, nothing
+        changed, nothing dropped. (A cache filesystem without fallocate: not reserved.)"""
+        if end <= off:
+            return
+        for attempt in (1, 2):
+            try:
+                bp.fallocate(self.cachefiles.fd(cf), _FALLOC_FL_KEEP_SIZE, off, end - off)
+                return
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    return              # EOPNOTSUPP; an SSD error shows in the write itself
+                self._s.ssd_failed(exc, "making room in a file in passthrough")
+                if attempt == 2:
+                    raise OSError(errno.ENOSPC, "no room on the cache filesystem for a file "
+                                  "read in passthrough") from None
+            await self.persister.persist(durable=False)     # evicted space is released
 
     async def _wait_punched(self, cf: CachedFile, off: int, end: int) -> None:
         """Wait while the hole of an extent in [off, end) is being punched (it was evicted
@@ -117,6 +143,8 @@ class HeldWrites:
             os.ftruncate(fd, end)
         except OSError as exc:
             self._s.ssd_failed(exc, "extending a file in passthrough")
+            if exc.errno in NO_SPACE and cf.dirty_exts:
+                raise       # (the room was reserved: a truncate meanwhile) dirty data stays
             self.stats.drop_cache_error += len(cf.extents)
             self._s.drop_file(cf)
             return False

@@ -70,11 +70,17 @@ class WritePath(HeldWrites, Allocations):
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
         await self._destager.throttle(len(data))
         overtaken = filled = 0
+        reserved = False
         while True:
             if self._s.ssd_full():
                 return await self._write_around(of, off, data)
             if cf.shrinking is not None:
                 await cf.shrinking.wait()           # a truncate is committing its new end
+                continue
+            if cf.held is not None and not reserved:
+                # Room in the cache file the kernel reads first (ENOSPC: nothing changed).
+                await self._reserve_held(cf, min(off, cf.size), end)
+                reserved = True
                 continue
             low = first if cf.held is None else min(first, cf.size >> EXT_SHIFT)   # _fill_gap
             if (self.persister.punching((cf.ino, first)) if low == last else
@@ -444,6 +450,8 @@ class WritePath(HeldWrites, Allocations):
     async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
                                ) -> os.stat_result:
         old_size = cf.size
+        if size > old_size and cf.held is not None:
+            await self._reserve_held(cf, old_size, size)    # ENOSPC: nothing changed
         self._trim(cf, min(size, cf.size), cut_file=False)
         if self.write_back and size < cf.size:
             # Shrinking: the new logical size and the dirty blocks gone past it are durable
