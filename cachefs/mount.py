@@ -305,6 +305,7 @@ class Daemon:
             self.backing.health.flush()         # the counts of lines held back
             if self.ops is not None:
                 self.ops.flush_log()
+            self.cache.state.flush_log()
             summary = oplog.unmount_line(self.snapshot())
             try:
                 self.store.close(clean=clean)

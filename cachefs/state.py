@@ -26,6 +26,7 @@ from .extentmap import ExtentMap
 from .extents import (BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent, block_mask,
                       identity, runs)
 from .integrity import Reports, lost_blocks
+from .oplog import RateLimitedLog
 from .persist import Persister
 from .policy import Admission, Clock, S3Fifo
 from .room import NO_SPACE
@@ -67,6 +68,7 @@ class CacheState:
         self._ssd_full_until = 0.0
         self._shrink_at_s = -1e9
         self._ssd_warned_s = -1e9
+        self._limited = RateLimitedLog(log, clock=lambda: time.monotonic())
 
     def load(self, clean_stop: bool) -> None:
         """Rebuild the in-memory map from the store (warm restart, or recovery).
@@ -401,6 +403,10 @@ class CacheState:
             self._shrink_at_s = time.monotonic()
             self._shrink_pool()
 
+    def flush_log(self) -> None:
+        """At unmount: the counts of lines held back (RateLimitedLog)."""
+        self._limited.flush()
+
     def space_released(self) -> None:
         """Evicted space was released (the reserve file is back): try the SSD again."""
         self._ssd_full_until = 0.0
@@ -421,8 +427,9 @@ class CacheState:
             self.evict(self.files[x.ino], x)
             n += 1
         self.stats.drop_capacity += n
-        log.warning("cache filesystem full: pool shrunk to %s, %d clean extents evicted "
-                    "(reason: capacity)", format_size(self.capacity_exts * EXT_SIZE), n)
+        self._limited.warning("shrunk", "cache filesystem full: pool shrunk to %s, %d clean "
+                              "extents evicted (reason: capacity)",
+                              format_size(self.capacity_exts * EXT_SIZE), n)
 
     def regrow_pool(self) -> None:
         """Give the pool back the room it lost to a full filesystem, as space frees up."""

@@ -284,3 +284,25 @@ async def test_a_write_past_the_end_of_a_held_file_waits_for_holes_punched_meanw
     assert eng.cached(of, gap_ext * EXT, BLK) == bytes(BLK)      # the gap: zeros, valid
     assert (eng.backing_dir / "f").read_bytes()[4 * EXT:] == data
     cf.held = None
+
+
+def test_a_cache_filesystem_that_stays_full_logs_the_shrinking_once_a_minute(
+        engine, monkeypatch, caplog):
+    """While the cache filesystem stays full, the pool shrinks at every out-of-space event
+    (at most every SSD_FULL_HOLD_S): the WARNING came each time, every 2 s (a helper's run:
+    18 lines in 40 s, on the full filesystem that holds the log)."""
+    import logging
+    import time as time_mod
+
+    from cachefs.state import SSD_FULL_HOLD_S
+    eng = engine(pool_exts=64)
+    state = eng.cache.state
+    now = [time_mod.monotonic()]
+    monkeypatch.setattr("cachefs.state.time.monotonic", lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="cachefs"):
+        for _ in range(40):                     # 40 events, 2.5 s apart: 100 s
+            state.out_of_space()
+            now[0] += SSD_FULL_HOLD_S + 0.5
+    lines = [r for r in caplog.records if "pool shrunk" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+    assert eng.cache.stats.cache_full_events == 40
