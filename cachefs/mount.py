@@ -142,6 +142,8 @@ class Daemon:
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
+        if not self.store.ensure_reserve():     # no room for it: the SSD counts as full
+            self.cache.state.reserve_given_up()
         self.cache.load(self.clean_start)
         if self.cache.dirty:
             log.info("%s of dirty data from an earlier mount (write-back, or written by a "

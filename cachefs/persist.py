@@ -37,6 +37,8 @@ class Space(Protocol):
 
     def ssd_failed(self, exc: OSError, what: str) -> None: ...
     def out_of_space(self) -> None: ...
+    def reserve_given_up(self) -> None: ...
+    def check_room(self) -> None: ...
     def space_released(self) -> None: ...
     def regrow_pool(self) -> None: ...
 
@@ -101,6 +103,7 @@ class Persister:
         task_status.started()
         while True:
             await trio.sleep(self._interval_s)
+            self._space.check_room()
             await self.persist()
 
     async def persist(self, durable: bool = False) -> None:
@@ -185,6 +188,7 @@ class Persister:
         full = is_full(exc)
         if full:
             self._store.release_reserve()
+            self._space.reserve_given_up()
             self._space.out_of_space()
         now = time.monotonic()
         if now - self._warned_s >= 60:

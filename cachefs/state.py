@@ -69,6 +69,7 @@ class CacheState:
         self._shrink_at_s = -1e9
         self._ssd_warned_s = -1e9
         self._limited = RateLimitedLog(log, clock=lambda: time.monotonic())
+        self._reserve_gone = False      # the reserve file was given up (room.py)
 
     def load(self, clean_stop: bool) -> None:
         """Rebuild the in-memory map from the store (warm restart, or recovery).
@@ -374,8 +375,29 @@ class CacheState:
 
     def ssd_full(self) -> bool:
         """True for a while after the cache filesystem ran out of space: no promotions,
-        write-back writes go around the cache, until evicted space is released."""
-        return self._ssd_full_until > time.monotonic()
+        write-back writes go around the cache, until evicted space is released; and for as
+        long as the reserve file (room.py), given up to let a commit through, cannot be
+        made again. Otherwise new cached data filled the filesystem to its last block once
+        more, every commit failed from then on, and the space of evicted extents (their
+        holes are punched after a commit) was never released: a cache stuck at a 1 MiB
+        pool until someone else freed space."""
+        return self._reserve_gone or self._ssd_full_until > time.monotonic()
+
+    def reserve_given_up(self) -> None:
+        """The reserve file is gone (released for a commit, or not makeable at mount)."""
+        self._reserve_gone = True
+
+    def check_room(self) -> None:
+        """Every commit interval while the reserve file is gone: make it again, or shrink
+        the pool (clean data evicted; the commit that follows releases its space) until it
+        can be made."""
+        if not self._reserve_gone:
+            return
+        if self.store.ensure_reserve():
+            self._reserve_gone = False
+            log.info("the cache filesystem has room again: the reserve file is back")
+        else:
+            self._shrink_pool()
 
     def ssd_failed(self, exc: OSError, what: str) -> None:
         """An SSD write failed. Out of space: shrink the pool below what is cached now and
@@ -410,6 +432,7 @@ class CacheState:
     def space_released(self) -> None:
         """Evicted space was released (the reserve file is back): try the SSD again."""
         self._ssd_full_until = 0.0
+        self._reserve_gone = False
 
     def _shrink_pool(self) -> None:
         """The cache filesystem is full (another tenant, or holes not yet punched): make the

@@ -234,3 +234,34 @@ def test_a_file_in_passthrough_never_loses_or_hides_writes_when_the_ssd_fills(
                              timeout=120)
         assert res.returncode == 0, res.stdout + res.stderr
     assert (m.backing / "H").read_bytes() == model
+
+
+def test_a_full_cache_filesystem_heals_once_the_load_stops(make_mount, make_tmpfs):
+    """Another tenant leaves the cache filesystem ~20 MiB while readers promote far more.
+    The first full event gives up the 8 MiB reserve file (so a commit fits). It was never
+    made again (that needs 16 MiB free), promotions went on to the filesystem's last block,
+    every commit failed from then on, and the holes of evicted extents (punched after a
+    commit) were never punched: the cache stayed full and unusable until someone else freed
+    space. While the reserve is gone the SSD now counts as full, and the pool shrinks until
+    the reserve can be made again."""
+    m = make_mount("--mode", "write-through", "--cache-size", "40M")
+    m.stop()
+    tiny_fs = make_tmpfs("64m")
+    m.cache = tiny_fs / "cache"
+    data = {f"d{i}": os.urandom(16 * MiB) for i in range(4)}
+    for name, blob in data.items():
+        (m.backing / name).write_bytes(blob)
+    m.start()
+    with open(tiny_fs / "tenant", "wb") as f:                # leaves ~20 MiB
+        f.write(bytes(int(os.statvfs(tiny_fs).f_bavail * 4096 - 20 * MiB)))
+    for _ in range(3):
+        for name, blob in data.items():
+            assert read_direct(m.path(name)) == blob
+    def healed():
+        s = m.stats()
+        return ((m.cache / "reserve").exists() and s["metadata_pending"] == 0
+                and os.statvfs(tiny_fs).f_bavail > 0)
+    wait_until(healed, 30, what="the reserve file back and the metadata committed")
+    assert m.stats()["cache_full_events"] > 0
+    for name, blob in data.items():
+        assert read_direct(m.path(name)) == blob

@@ -254,6 +254,12 @@ class FakeSpace:
     def out_of_space(self):
         self.log.append(("out of space",))
 
+    def reserve_given_up(self):
+        pass
+
+    def check_room(self):
+        pass
+
     def space_released(self):
         pass
 
