@@ -116,8 +116,12 @@ class Backing:
         health.timed_out(what, self.describe(fn, args), self.timeout_s)
         raise BackingTimeout(what, self.timeout_s)
 
-    async def write_call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a mutating call in a thread and wait for it, however long BACKING takes."""
+    async def write_call(self, fn: Callable[..., Any], *args: Any,
+                         abandon_on_cancel: bool = False) -> Any:
+        """Run a mutating call in a thread and wait for it, however long BACKING takes;
+        `abandon_on_cancel`: unless the caller is cancelled (the destager, at unmount: its
+        pass then never completes, so its data stays dirty on the SSD, and the unmount
+        does not wait for a hung BACKING)."""
         if self.inline:
             what = op_name(fn)
             if what in INLINE_OPS or (fn is _pwrite_stat and _small_buffered(*args[1:4])):
@@ -130,7 +134,8 @@ class Backing:
         n = health.write_seq = health.write_seq + 1
         health.writes[n] = (fn, args, _now())          # a write that never returns shows
         try:
-            result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter,
+                                                   **{_ABANDON_KW: abandon_on_cancel})
         except OSError as exc:
             if counted(fn, exc):
                 health.failed(op_name(fn), exc, self.describe(fn, args))

@@ -260,10 +260,11 @@ class Destager:
         try:
             await self._destage_pass(cf, start_ext)
         finally:
+            # (Cancelled, at unmount: the close is abandoned if BACKING hangs, or not
+            # started; the descriptor goes with the process.)
             fd = self._cache.take_idle_wb_fd(cf)
             if fd >= 0:
-                with trio.CancelScope(shield=True):
-                    await self._backing.write_call(os.close, fd)
+                await self._backing.write_call(os.close, fd, abandon_on_cancel=True)
 
     async def _destage_pass(self, cf: "CachedFile", start_ext: int) -> None:
         cache = self._cache
@@ -273,7 +274,8 @@ class Destager:
             if cf.wb_fd < 0:
                 try:
                     fd = await self._backing.write_call(bp.open_by_ino, self._backing.root_fd,
-                                                        cf.path, cf.ino, self._root_paths)
+                                                        cf.path, cf.ino, self._root_paths,
+                                                        abandon_on_cancel=True)
                 except OSError as exc:
                     self._failed(cf, exc)
                     return
@@ -298,8 +300,11 @@ class Destager:
             cf.meta_inflight += 1           # BACKING's size and times move: ours
             try:
                 try:
+                    # Abandoned only at unmount, with BACKING hanging: the pass never
+                    # completes, its blocks stay dirty for the next mount.
                     st, damaged = await self._backing.write_call(
-                        _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times)
+                        _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times,
+                        abandon_on_cancel=True)
                     self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
                 except BaseException as exc:
                     if not isinstance(exc, OSError):

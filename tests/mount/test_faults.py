@@ -3,6 +3,7 @@ reach the application as errors, and cached data stays correct."""
 
 import errno
 import os
+import subprocess
 import sys
 import time
 
@@ -11,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import pread_aligned, read_blocks, warm  # noqa: E402
+from tests.conftest import pread_aligned, read_blocks, wait_until, warm  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 
@@ -162,3 +163,50 @@ def test_destaging_gets_through_a_backing_failing_a_few_per_cent_of_writes(make_
     assert m.stats()["destage_errors"] >= 1, "no BACKING write failed: the test tests nothing"
     print(f"flush through 5 % failing writes took {took:.1f} s")
     m.stop()                                # before slowfs goes
+
+
+def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mount,
+                                                                        slow_backing):
+    """Write-back: the destager is in a BACKING call when BACKING hangs, and the mount is
+    unmounted. The daemon waited for that call (a dead server: for ever; `cachefs umount`
+    with it). It now leaves it: the data stays dirty on the SSD and is destaged by the next
+    mount."""
+    src, slow, sf = slow_backing
+    m = make_mount("--mode", "write-back", "--backing-timeout", "1.5", "--max-dirty-age", "1",
+                   backing=slow)
+    data = os.urandom(256 << 10)
+    fd = os.open(m.path("new"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    sf.set(hang=1)
+    try:
+        time.sleep(2.5)                          # the destager's pass is in BACKING now
+        assert m.stats()["dirty_bytes"] > 0
+        subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True)
+        # Done as `cachefs umount` sees it: the daemon's main thread has exited. (A thread
+        # in a call BACKING, itself a FUSE filesystem here, has taken cannot be killed:
+        # the process goes when BACKING answers it.)
+        wait_until(lambda: _main_thread_gone(m.proc.pid), 20, what="the daemon's exit")
+        assert "metadata persisted" in m.logs[-1].read_text()
+    finally:
+        sf.set(hang=0)
+    assert m.proc.wait(timeout=60) == 0
+    m.proc = None
+    m.start()
+    assert m.path("new").read_bytes() == data
+    m.stop()                                     # (the next mount destaged it meanwhile)
+    m.start()
+    from tests.conftest import ctl_flush
+    ctl_flush(m)
+    assert (src / "new").read_bytes() == data
+
+
+def _main_thread_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -39,7 +39,7 @@ class DelayedBacking(Backing):
         await trio.sleep(self.delay_s)
         return result
 
-    async def write_call(self, fn, *args):
+    async def write_call(self, fn, *args, abandon_on_cancel=False):
         result = fn(*args)
         await trio.sleep(0)
         return result
@@ -261,8 +261,8 @@ async def test_a_write_past_the_end_of_a_held_file_waits_for_holes_punched_meanw
     real_write = eng.backing.write_call
     gap_ext = 2                                     # the write lands in extent 4
 
-    async def write_call(fn, *args):
-        result = await real_write(fn, *args)
+    async def write_call(fn, *args, **kw):
+        result = await real_write(fn, *args, **kw)
         if fn.__name__ == "_pwrite_stat":           # a commit starts punching extent 2
             persister._punching = {(cf.ino, gap_ext)}
             persister._punched = trio.Event()
