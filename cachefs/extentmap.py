@@ -130,6 +130,7 @@ class ExtentMap:
         self.persister.reused(x.key)
         if dirty:
             self.dirty.set(cf, x, dirty)
+            x.db_dirty = True
         return x
 
     def fill(self, cf: CachedFile, x: Extent, mask: int, data=None, data_off: int = 0

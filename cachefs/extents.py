@@ -60,7 +60,7 @@ class Extent:
     """One cached 64 KiB extent: its valid and dirty block bitmaps and eviction bookkeeping."""
 
     __slots__ = ("ino", "ext", "valid", "dirty", "freq", "queue", "redirty", "sums", "summed",
-                 "bad", "xsum")
+                 "bad", "xsum", "db_dirty")
 
     def __init__(self, ino: int, ext: int, valid: int = 0, dirty: int = 0):
         self.ino = ino
@@ -75,6 +75,8 @@ class Extent:
         self.bad = 0          # dirty blocks found damaged on the SSD (never destaged)
         self.xsum = None      # checksum of the whole extent once its 16 blocks checked out
                               # (a whole-extent read: one hash, not 16); None after a change
+        self.db_dirty = False  # the database's last committed record of it has dirty blocks
+                               # (CacheState.committed)
 
     @property
     def key(self) -> tuple[int, int]:

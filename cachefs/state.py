@@ -70,6 +70,7 @@ class CacheState:
         self._ssd_warned_s = -1e9
         self._limited = RateLimitedLog(log, clock=lambda: time.monotonic())
         self._reserve_gone = False      # the reserve file was given up (room.py)
+        self.db_dirty_evicted: set[tuple[int, int]] = set()   # see committed()
 
     def load(self, clean_stop: bool) -> None:
         """Rebuild the in-memory map from the store (warm restart, or recovery).
@@ -365,6 +366,8 @@ class CacheState:
 
     def evict(self, cf: CachedFile, x: Extent) -> None:
         """Forget a clean extent; its SSD space is released after the next durable commit."""
+        if x.db_dirty:                  # the database still calls it dirty (see committed)
+            self.db_dirty_evicted.add(x.key)
         self.map.evict(cf, x)
 
     def file_lock(self, cf: CachedFile) -> trio.Lock:
@@ -424,6 +427,20 @@ class CacheState:
         if self._shrink_at_s + SSD_FULL_HOLD_S < time.monotonic():
             self._shrink_at_s = time.monotonic()
             self._shrink_pool()
+
+    def committed(self, batch: tuple) -> None:
+        """A batch (MetadataStore.take_batch) is in the database now: what it says of the
+        dirt of its extents.
+        An extent destaged and evicted before the database learned it was clean is still
+        dirty there (`db_dirty_evicted`) until a commit drops its row: a write around the
+        cache over it waits for that commit (writepath), or, with commits failing and an
+        unclean stop, recovery would destage the cache file's older bytes over it."""
+        for key, rec in batch[2].items():
+            self.db_dirty_evicted.discard(key)
+            cf = self.files.get(key[0])
+            x = cf.extents.get(key[1]) if cf is not None else None
+            if x is not None:
+                x.db_dirty = rec is not None and bool(rec[1])
 
     def flush_log(self) -> None:
         """At unmount: the counts of lines held back (RateLimitedLog)."""

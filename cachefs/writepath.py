@@ -206,6 +206,12 @@ class WritePath(HeldWrites, Allocations):
         cf = of.cfile
         first, last = off >> EXT_SHIFT, (off + len(data) - 1) >> EXT_SHIFT
         self.stats.writes_around += 1
+        evicted = self._s.db_dirty_evicted
+        if evicted and any((cf.ino, e) in evicted for e in range(first, last + 1)):
+            # The database still calls an extent here dirty (destaged and evicted since the
+            # last commit): it learns first, or after an unclean stop recovery would destage
+            # the cache file's older bytes over this write. (A commit that fails: EIO.)
+            await self.persister.persist(durable=True)
         async with self._s.file_lock(cf):
             if cf.held is not None:
                 return await self._write_around_held(of, off, data)

@@ -260,6 +260,9 @@ class FakeSpace:
     def check_room(self):
         pass
 
+    def committed(self, batch):
+        pass
+
     def space_released(self):
         pass
 

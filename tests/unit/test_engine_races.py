@@ -306,3 +306,40 @@ def test_a_cache_filesystem_that_stays_full_logs_the_shrinking_once_a_minute(
     lines = [r for r in caplog.records if "pool shrunk" in r.getMessage()]
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
     assert eng.cache.stats.cache_full_events == 40
+
+
+async def test_a_write_around_over_an_extent_the_database_still_calls_dirty_waits_for_it(
+        engine):
+    """Commits fail (a full cache filesystem); extent 0, dirty in the database, is destaged
+    and evicted in memory only. A write around the cache then put newer bytes in BACKING
+    while the database still called extent 0 dirty with the cache file's older bytes: after
+    an unclean stop, recovery destaged those over the newer ones (a helper's run: 24 MiB of
+    writes reverted). The write around now waits for the database to learn (EIO while it
+    cannot), and recovery has nothing stale to destage."""
+    import sqlite3
+    from cachefs.store import _read_tables
+
+    eng = engine(pool_exts=4)
+    eng.make_file("f", bytes(4 * EXT))
+    of = await eng.open("f")
+    cf = of.cfile
+    v1, v2 = os.urandom(EXT), os.urandom(EXT)
+    assert await eng.cache.write(of, 0, v1) == EXT
+    await eng.cache.persist(durable=True)                    # the database: 0 is dirty
+    real_commit = eng.store.commit_async
+
+    async def failing(batch, durable):
+        raise sqlite3.OperationalError("disk I/O error")
+    eng.store.commit_async = failing
+    await eng.cache.destager._destage(cf, 0)                 # BACKING: v1, memory: clean
+    x = cf.extents[0]
+    assert not x.dirty
+    eng.cache.state.evict(cf, x)
+    with pytest.raises(OSError):
+        await eng.cache.writes._write_around(of, 0, v2)
+    assert (eng.backing_dir / "f").read_bytes()[:EXT] == v1  # nothing went around
+    eng.store.commit_async = real_commit
+    assert await eng.cache.writes._write_around(of, 0, v2) == EXT
+    assert (eng.backing_dir / "f").read_bytes()[:EXT] == v2
+    _, extents = _read_tables(eng.store._db)
+    assert not [e for e in extents if e[1] == 0 and e[3]], extents   # no stale dirty mark
