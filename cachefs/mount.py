@@ -136,13 +136,13 @@ class Daemon:
             log.warning("the last stop of this cache was not clean; cached data is "
                         "revalidated against BACKING as files are opened")
         self.store.set_meta("mode", self.cfg.mode)
-        self.store.ensure_reserve()
+        reserve = self.store.ensure_reserve()
         self.stats.set_lifetime_base(*self.store.load_lifetime())
         capacity = cache_capacity(self.cfg, cache_dir_usage(self.cfg.cache_dir)) // EXT_SIZE
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
-        if not self.store.ensure_reserve():     # no room for it: the SSD counts as full
+        if not reserve:                     # no room for it: the SSD counts as full
             self.cache.state.reserve_given_up()
         self.cache.load(self.clean_start)
         if self.cache.dirty:
