@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
+from cachefs_cli.main import _is_zombie  # noqa: E402  (what `cachefs umount` waits for)
 from tests.conftest import pread_aligned, read_blocks, wait_until, warm  # noqa: E402
 
 pytestmark = pytest.mark.fuse
@@ -189,7 +190,7 @@ def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mou
         # Done as `cachefs umount` sees it: the daemon's main thread has exited. (A thread
         # in a call BACKING, itself a FUSE filesystem here, has taken cannot be killed:
         # the process goes when BACKING answers it.)
-        wait_until(lambda: _main_thread_gone(m.proc.pid), 20, what="the daemon's exit")
+        wait_until(lambda: _is_zombie(m.proc.pid), 20, what="the daemon's exit")
         assert "metadata persisted" in m.logs[-1].read_text()
     finally:
         sf.set(hang=0)
@@ -203,10 +204,3 @@ def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mou
     ctl_flush(m)
     assert (src / "new").read_bytes() == data
 
-
-def _main_thread_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
