@@ -27,6 +27,7 @@ log = logging.getLogger("cachefs.writepath")
 
 _ZEROS = bytes(EXT_SIZE)
 _FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
 
 
 class HeldWrites:
@@ -49,6 +50,9 @@ class HeldWrites:
         cf.backing_unsynced = True              # write-back (around the cache): see fsync
         try:
             written, st = await self.backing.pwrite_stat(of.backing_fd, direct_fd, data, off)
+        except BaseException:
+            self._unreserve(cf, min(off, old_size), end)
+            raise
         finally:
             cf.writes_inflight -= 1
         self.stats.write_ops += 1
@@ -82,11 +86,30 @@ class HeldWrites:
             except OSError as exc:
                 if exc.errno not in NO_SPACE:
                     return              # EOPNOTSUPP; an SSD error shows in the write itself
+                self._unreserve(cf, off, end)
                 self._s.ssd_failed(exc, "making room in a file in passthrough")
                 if attempt == 2:
                     raise OSError(errno.ENOSPC, "no room on the cache filesystem for a file "
                                   "read in passthrough") from None
             await self.persister.persist(durable=False)     # evicted space is released
+
+    def _unreserve(self, cf: CachedFile, off: int, end: int) -> None:
+        """Give back what a reservation of [off, end) holds past the cache file's end: a
+        fallocate that failed keeps the blocks it got (ext4), and a write that failed after
+        its reservation never reached them. There no eviction or punch would ever release
+        them (a helper's run: a 2 MiB cache file holding 65 MiB, the filesystem full for
+        good)."""
+        try:
+            fd = self.cachefiles.fd(cf)
+            size = os.fstat(fd).st_size
+            if end > max(off, size):
+                # ext4 frees blocks past the end at a truncate to the same size (and ignores a
+                # punch there); other filesystems take the punch.
+                os.ftruncate(fd, size)
+                bp.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, max(off, size),
+                             end - max(off, size))
+        except OSError:
+            pass
 
     async def _wait_punched(self, cf: CachedFile, off: int, end: int) -> None:
         """Wait while the hole of an extent in [off, end) is being punched (it was evicted

@@ -184,14 +184,16 @@ def test_reserve_makes_room_to_open_after_a_clean_unmount(make_mount, make_tmpfs
 
 
 def test_a_file_in_passthrough_never_loses_or_hides_writes_when_the_ssd_fills(
-        make_mount, make_tmpfs, mode):
+        make_mount, tmp_path, mode):
     """A file read in FUSE passthrough (the kernel reads its cache file by itself) is
     written through another descriptor, once 64 MiB past its end: its cache file must grow
     by 64 MiB of zeros, more than the cache filesystem has. cachefs detached the cache file:
     in write-back every dirty byte in it was lost (fsynced ones too; BACKING got zeros), and
     in both modes the passthrough reader went on reading the detached file, stale. The write
     that cannot fit now fails with ENOSPC before anything changes; every other write is kept
-    and seen by the reader."""
+    and seen by the reader. The reservation that failed gives its blocks back (ext4 keeps
+    what a failed fallocate got: past the cache file's end, for good, the filesystem full)."""
+    from tests.crash.test_power_cut import Ssd
     from tests.mount.test_passthrough import _available, cache_fully, open_passthrough
     reason = _available()
     if reason:
@@ -199,8 +201,26 @@ def test_a_file_in_passthrough_never_loses_or_hides_writes_when_the_ssd_fills(
     m = make_mount("--mode", mode, "--cache-size", "24M", "--dirty-high", "8M",
                    "--dirty-low", "4M")
     m.stop()
-    m.cache = make_tmpfs("32m") / "cache"
-    m.start()
+    ssd = Ssd(tmp_path / "ssd.img", tmp_path / "ssd")       # ext4, 256 MiB
+    try:
+        m.cache = ssd.path / "cache"
+        sv = os.statvfs(ssd.path)
+        with open(ssd.path / "tenant", "wb") as f:          # leaves ~40 MiB
+            f.truncate(0)
+            os.posix_fallocate(f.fileno(), 0, sv.f_bavail * sv.f_frsize - 40 * MiB)
+        m.start()
+        _held_file_on_a_full_ssd(m, mode, ssd.path, cache_fully, open_passthrough)
+        m.stop()
+    finally:
+        ssd.remove()
+
+
+def _free(path) -> int:
+    sv = os.statvfs(path)
+    return sv.f_bavail * sv.f_frsize
+
+
+def _held_file_on_a_full_ssd(m, mode, ssd, cache_fully, open_passthrough):
     model = bytearray(os.urandom(2 * MiB))
     m.path("H").write_bytes(model)
     cache_fully(m, "H", len(model))
@@ -213,10 +233,12 @@ def test_a_file_in_passthrough_never_loses_or_hides_writes_when_the_ssd_fills(
             model[off:off + len(data)] = data
         for i in range(8):
             write(i * 256 * 1024, os.urandom(4096))
+        free = _free(ssd)
         try:
             write(len(model) + 64 * MiB, os.urandom(64 * 1024))
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, exc
+            assert _free(ssd) >= free - 4 * MiB, (free, _free(ssd))
         for i in range(8):
             write(i * 256 * 1024 + 8192, os.urandom(4096))
         for _ in range(4):
