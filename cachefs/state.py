@@ -436,11 +436,13 @@ class CacheState:
         cache over it waits for that commit (writepath), or, with commits failing and an
         unclean stop, recovery would destage the cache file's older bytes over it."""
         for key, rec in batch[2].items():
-            self.db_dirty_evicted.discard(key)
+            dirty = rec is not None and bool(rec[1])
             cf = self.files.get(key[0])
             x = cf.extents.get(key[1]) if cf is not None else None
             if x is not None:
-                x.db_dirty = rec is not None and bool(rec[1])
+                x.db_dirty = dirty
+            if x is not None or not dirty:      # (a record taken before an eviction that
+                self.db_dirty_evicted.discard(key)      # came during the commit: still)
 
     def flush_log(self) -> None:
         """At unmount: the counts of lines held back (RateLimitedLog)."""
