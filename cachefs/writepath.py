@@ -482,6 +482,10 @@ class WritePath(HeldWrites, Allocations):
         try:
             st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
                                                fd, size, None if fd is not None else cf.ino)
+        except BaseException:
+            if size > old_size and cf.held is not None:
+                self._unreserve(cf, old_size, size)     # the room reserved above
+            raise
         finally:
             cf.writes_inflight -= 1
             cf.cutting = False
