@@ -22,7 +22,10 @@ class Attributes:
         self._cfg = cfg
         self._cache = cache
 
-    def of(self, st: os.stat_result, ino: int) -> pyfuse3.EntryAttributes:
+    def of(self, st: os.stat_result, ino: int, token: tuple | None = None
+           ) -> pyfuse3.EntryAttributes:
+        """The attributes the kernel gets for BACKING's `st` (`token`: the stat token
+        taken before that stat, see Coherence.logical_size)."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
@@ -33,7 +36,7 @@ class Attributes:
         a.st_uid = st.st_uid
         a.st_gid = st.st_gid
         a.st_rdev = st.st_rdev
-        a.st_size = self._cache.logical_size(ino, st.st_size)
+        a.st_size = self._cache.logical_size(ino, st.st_size, token)
         a.st_blksize = BLKSIZE
         a.st_blocks = st.st_blocks
         a.st_atime_ns = st.st_atime_ns

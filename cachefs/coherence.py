@@ -148,14 +148,18 @@ class Coherence:
             cf.size = st.st_size
         self._s.persist_identity(cf)
 
-    def logical_size(self, ino: int, backing_size: int) -> int:
+    def logical_size(self, ino: int, backing_size: int, token: tuple | None = None) -> int:
         """The size programs see: BACKING's, or the engine's while extending writes are dirty
         or a write-back truncate that shrank the file has not cut BACKING yet (`cutting`:
-        BACKING may be shorter than the new size then, its data past it was dirty)."""
+        BACKING may be shorter than the new size then, its data past it was dirty), or when
+        an own change overtook the stat that gave `backing_size` (`token`, taken before it:
+        a truncate that ended meanwhile left that size stale, and the kernel kept it)."""
         cf = self.files.get(ino)
-        if cf is None or not (cf.dirty_exts or cf.cutting):
+        if cf is None:
             return backing_size
-        return cf.size
+        if cf.dirty_exts or cf.cutting or (token is not None and self._overtaken(cf, token)):
+            return cf.size
+        return backing_size
 
     def attributes_seen(self, ino: int, st: os.stat_result, token: tuple) -> None:
         """getattr/lookup saw BACKING's attributes: revalidate, invalidate the kernel cache."""

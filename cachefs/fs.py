@@ -208,7 +208,7 @@ class Operations(pyfuse3.Operations):
                 else:
                     st = await self._stat_by_path(inode, path)
         self._cache.attributes_seen(inode, st, token)
-        return self._attr(st, inode)
+        return self._attr(st, inode, token)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
         with self._fds.borrow(inode, fh, writable=bool(fields.update_size)) as fd:
