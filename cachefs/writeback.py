@@ -309,6 +309,10 @@ class Destager:
                 except BaseException as exc:
                     if not isinstance(exc, OSError):
                         cache.destage_failed(cf)
+                        if isinstance(exc, trio.Cancelled):
+                            # (the unmount) The abandoned thread may still write through
+                            # wb_fd: never closed, so its number cannot name another file.
+                            cf.wb_fd = -1
                         raise
                     # Part of the pass may be in BACKING (its size and times moved): ours,
                     # not a change behind the cache to drop data for at the next open.
