@@ -68,6 +68,7 @@ def check_paths(cfg: Config) -> None:
                             "from both.")
     if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
         raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
+    _check_cache_size(cfg)
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse does not exist: load the fuse kernel module "
                         "(modprobe fuse) or run where FUSE is available.")
@@ -76,6 +77,21 @@ def check_paths(cfg: Config) -> None:
                         "the group that owns /dev/fuse.")
     if shutil.which("fusermount3") is None and os.geteuid() != 0:
         raise UserError("fusermount3 is not installed (apt-get install fuse3).")
+
+
+def _check_cache_size(cfg: Config) -> None:
+    """--cache-size larger than the cache filesystem, refused before anything is made there
+    (the database and the reserve file would stay behind)."""
+    if cfg.cache_size is None:
+        return
+    where = os.path.abspath(cfg.cache_dir)
+    while not os.path.exists(where):            # the directory is made later
+        where = os.path.dirname(where)
+    sv = os.statvfs(where)
+    total = sv.f_blocks * sv.f_frsize
+    if cfg.cache_size > total:
+        raise UserError(f"--cache-size {format_size(cfg.cache_size)} is larger than the "
+                        f"cache filesystem ({format_size(total)}).")
 
 
 def _answers_within(backing: str, timeout_s: float) -> None:

@@ -372,6 +372,7 @@ def test_helper_refuses_an_empty_mode(env):
 def test_cache_size_larger_than_the_cache_filesystem(env, fg):
     res = env.mount("--cache-size", "100T", fg=fg)
     assert_sentence(res, "--cache-size", "100.0 TiB", "larger than the cache filesystem", fg=fg)
+    assert not env.cache.exists()       # refused before a database or reserve file was made
     env.assert_nothing_left()
     res = env.mount("--cache-size", "64M")                     # the same cache dir still works
     assert res.returncode == 0, res.stderr
