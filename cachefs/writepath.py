@@ -65,12 +65,21 @@ class WritePath(HeldWrites, Allocations):
         handle BACKING would not reopen read-write), or the write needs room while destaging
         fails, the write goes around the cache.
         """
+        await self._destager.throttle(len(data))
+        reserved: list[int] = []     # [start] once room is reserved in a held cache file
+        try:
+            return await self._write_back_cached(of, off, data, reserved)
+        except BaseException:
+            if reserved:            # failed or cancelled: what the write did not use goes back
+                self._unreserve(of.cfile, reserved[0], off + len(data))
+            raise
+
+    async def _write_back_cached(self, of: OpenFile, off: int, data: bytes,
+                                 reserved: list[int]) -> int:
         cf = of.cfile
         end = off + len(data)
         first, last = off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT
-        await self._destager.throttle(len(data))
         overtaken = filled = 0
-        reserved = False
         while True:
             if self._s.ssd_full():
                 return await self._write_around(of, off, data)
@@ -79,8 +88,9 @@ class WritePath(HeldWrites, Allocations):
                 continue
             if cf.held is not None and not reserved:
                 # Room in the cache file the kernel reads first (ENOSPC: nothing changed).
-                await self._reserve_held(cf, min(off, cf.size), end)
-                reserved = True
+                start = min(off, cf.size)
+                await self._reserve_held(cf, start, end)
+                reserved.append(start)
                 continue
             low = first if cf.held is None else min(first, cf.size >> EXT_SHIFT)   # _fill_gap
             if (self.persister.punching((cf.ino, first)) if low == last else

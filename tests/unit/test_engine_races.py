@@ -343,3 +343,33 @@ async def test_a_write_around_over_an_extent_the_database_still_calls_dirty_wait
     assert (eng.backing_dir / "f").read_bytes()[:EXT] == v2
     _, extents = _read_tables(eng.store._db)
     assert not [e for e in extents if e[1] == 0 and e[3]], extents   # no stale dirty mark
+
+
+async def test_a_held_write_cancelled_after_its_reservation_gives_the_room_back(engine):
+    """A write to a held file reserves its room in the cache file first (fallocate, the
+    size kept), then may wait (here for a hole being punched). Cancelled there (an unmount,
+    an interrupted writer), it left the reserved blocks past the cache file's end, where no
+    eviction or punch reaches them: SSD space lost for as long as the file stayed cached."""
+    from cachefs.openmode import Held
+
+    eng = engine(pool_exts=128)
+    eng.make_file("f", bytes(EXT))
+    of = await eng.open("f")
+    data = os.urandom(EXT)
+    assert await eng.cache.write(of, 0, data) == EXT     # all of it in the cache (dirty)
+    cf = of.cfile
+    cf.held = Held(cf)
+    fd = eng.cache.cachefiles.fd(cf)
+    before = os.fstat(fd).st_blocks
+    persister = eng.cache.persister
+    persister._punching = {(cf.ino, 1)}          # a commit punches extent 1: the write waits
+    persister._punched = trio.Event()
+    with trio.move_on_after(0.1) as scope:
+        await eng.cache.write(of, 4 * EXT, os.urandom(4 << 20))
+    assert scope.cancelled_caught
+    persister._punching = set()
+    persister._punched.set()
+    assert cf.size == EXT and os.fstat(fd).st_size == EXT
+    assert os.fstat(fd).st_blocks <= before, (os.fstat(fd).st_blocks, before)
+    assert eng.cached(of, 0, EXT) == data
+    cf.held = None
