@@ -151,11 +151,24 @@ class Operations(pyfuse3.Operations):
 
     def _entry(self, parent: int, name: bytes, st: os.stat_result,
                token: tuple | None = None) -> pyfuse3.EntryAttributes:
+        if self._inodes.foreign(st):
+            self._foreign(parent, name, st)
+            raise FUSEError(errno.EXDEV)
         ino = self._inodes.remember(parent, name, st)
         self._removed_dirs.pop(ino, None)       # BACKING reused the number
         if token is not None:
             self._cache.attributes_seen(ino, st, token)
         return self._attr(st, ino)
+
+    def _foreign(self, parent: int, name: bytes, st: os.stat_result) -> None:
+        """Log (once a minute per device) that an entry is another filesystem, mounted
+        inside BACKING: it is left out of listings and its lookup fails with EXDEV."""
+        self._limited.warning(
+            ("foreign", st.st_dev), "%s is on another filesystem than BACKING (device %d:%d, "
+            "mounted inside BACKING): cachefs serves one filesystem and does not cross into "
+            "it (it is not listed; its lookup fails with EXDEV); mount it with cachefs on its "
+            "own", os.fsdecode(self._child(parent, name)), os.major(st.st_dev),
+            os.minor(st.st_dev))
 
     async def run_closer(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The service that closes released BACKING descriptors (Handles.run_closer)."""
@@ -537,6 +550,11 @@ class Operations(pyfuse3.Operations):
                     st = await self._ns.lstat(self._inodes.child_path(parent, name))
                 except OSError:
                     continue
+            if self._inodes.foreign(st):
+                # Not listed: an entry with no node (id 0) has d_ino 0, which glibc and Go
+                # skip anyway, and a node would alias one of BACKING's (_entry).
+                self._foreign(parent, name, st)
+                continue
             ino = self._inodes.ino_of(st)
             if not pyfuse3.readdir_reply(token, name, self._attr(st, ino), i + 1):
                 break

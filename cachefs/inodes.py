@@ -30,6 +30,7 @@ class Inode:
 class InodeTable:
     def __init__(self, root_st: os.stat_result):
         self.root_st_ino = root_st.st_ino
+        self.root_dev = root_st.st_dev
         self._inodes: dict[int, Inode] = {ROOT_INODE: Inode(ROOT_INODE, True)}
         self._entries: dict[tuple[int, bytes], int] = {}      # (parent, name) -> ino
 
@@ -38,6 +39,13 @@ class InodeTable:
 
     def ino_of(self, st: os.stat_result) -> int:
         return ROOT_INODE if st.st_ino == self.root_st_ino else st.st_ino
+
+    def foreign(self, st: os.stat_result) -> bool:
+        """Is `st` of another filesystem than BACKING's root (a filesystem mounted inside
+        BACKING, a btrfs subvolume)? Its inode numbers are its own: taken as node ids they
+        would alias BACKING's (reads and write-back writes reaching the other file), so
+        cachefs does not cross into it."""
+        return st.st_dev != self.root_dev
 
     def path(self, ino: int) -> bytes:
         """BACKING path of an inode, relative to BACKING's root; raises ESTALE (OSError) for

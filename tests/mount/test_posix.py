@@ -1085,3 +1085,37 @@ def test_listings_have_dot_and_dotdot(mounted):
         assert os.listdir(fd) == [] and raw_listing(f"/proc/self/fd/{fd}") == {}
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs inside BACKING")
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_filesystem_mounted_inside_backing_is_not_crossed_into(make_mount, make_tmpfs, mode):
+    """Node ids are BACKING's inode numbers; another filesystem mounted inside BACKING has
+    numbers of its own. Taken as node ids they aliased BACKING's files: reads returned the
+    other file's bytes and a write-back write landed in the other file (a helper's hunt:
+    two tmpfs files of inode 3), and a tmpfs root (inode 1, the root's node id) gave EIO.
+    Its mount point is not listed; looking it up fails with EXDEV, and a line says why."""
+    backing, other = make_tmpfs("16M"), make_tmpfs("16M")
+    (backing / "sub").mkdir()
+    (backing / "a").write_bytes(b"1" * 300_000)
+    (other / "d").mkdir()
+    (other / "d" / "a").write_bytes(b"2" * 200_000)
+    subprocess.run(["mount", "--bind", str(other / "d"), str(backing / "sub")], check=True)
+    try:
+        m = make_mount("--mode", mode, backing=backing)
+        assert os.listdir(m.mnt) == ["a"]
+        with pytest.raises(OSError) as err:
+            os.stat(m.path("sub"))
+        assert err.value.errno == errno.EXDEV
+        with pytest.raises(OSError) as err:
+            open(m.path("sub/a"), "rb")
+        assert err.value.errno == errno.EXDEV
+        assert m.path("a").read_bytes() == b"1" * 300_000
+        with open(m.path("a"), "r+b") as f:
+            f.write(b"Z" * 10)
+        flushed(m)
+        assert (backing / "a").read_bytes()[:11] == b"Z" * 10 + b"1"
+        assert (other / "d" / "a").read_bytes() == b"2" * 200_000
+        wait_until(lambda: "does not cross into it" in m.logs[-1].read_text(), 5)
+    finally:
+        subprocess.run(["umount", "-l", str(backing / "sub")], capture_output=True)
