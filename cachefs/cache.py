@@ -20,7 +20,7 @@ from . import backingpaths as bp
 from .backing import Backing
 from .coherence import Coherence
 from .config import Config
-from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, Extent
+from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent
 from .integrity import recheck
 from .hit import OpenFile
 from .namespace import Namespace
@@ -344,7 +344,7 @@ class Cache:
                 cf.meta_inflight -= 1
 
     def times_guard(self, ino: int, mtime_set: bool):
-        """Held around a setattr; `mtime_set`: it sets the mtime (utime). Write-back, a file
+        """Held around a setattr; `mtime_set`: it sets times (utime). Write-back, a file
         with dirty data: its lock, so that the change does not reach BACKING during a destage
         pass, whose data write and utime (the last write's time) would replace it; before
         or after a pass, times_set keeps it for the next pass or BACKING holds it."""
@@ -360,6 +360,14 @@ class Cache:
         cf = self.files.get(ino)
         if self.write_back and cf is not None and cf.dirty_exts and st is not None:
             self.state.set_times(cf, (st.st_atime_ns, st.st_mtime_ns))
+
+    def atime_set(self, ino: int) -> None:
+        """Write-back: BACKING just took an explicit atime alone (touch -a) for a file with
+        dirty data: a destage pass must no longer put back an atime set before it."""
+        cf = self.files.get(ino)
+        if self.write_back and cf is not None and cf.times is not None \
+                and cf.times[0] != KEEP_ATIME:
+            self.state.set_times(cf, (KEEP_ATIME, cf.times[1]))
 
     def damaged(self, cf: CachedFile, offsets: list[int], where: str) -> int:
         """Blocks at `offsets` failed their checksums when a thread read them: those still

@@ -259,7 +259,8 @@ class Operations(pyfuse3.Operations):
         self._caps_killed.discard(inode)
         if touch and killed_caps:
             return await self.getattr(inode)         # nothing to do
-        async with self._cache.times_guard(inode, bool(fields.update_mtime)):
+        async with self._cache.times_guard(inode, bool(fields.update_mtime
+                                                       or fields.update_atime)):
             with self._cache.changing(inode):
                 st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch,
                                             None if inode == ROOT_INODE else inode)
@@ -270,6 +271,8 @@ class Operations(pyfuse3.Operations):
                 self._cache.backing_changed(inode)
             if fields.update_mtime:
                 self._cache.times_set(inode, st)
+            elif fields.update_atime:
+                self._cache.atime_set(inode)
         return self._attr(st, inode)
 
     @_errno_mapped
