@@ -106,6 +106,7 @@ class Mount:
     log: Path
     proc: subprocess.Popen | None = None
     logs: list[Path] = field(default_factory=list)
+    wrap: list[str] = field(default_factory=list)      # runs the daemon (e.g. prlimit ...)
 
     def start(self) -> "Mount":
         n = len(self.logs)
@@ -113,7 +114,7 @@ class Mount:
         self.logs.append(log)
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(
-                [*CACHEFS, "mount", "-f", "--cache-dir", str(self.cache),
+                [*self.wrap, *CACHEFS, "mount", "-f", "--cache-dir", str(self.cache),
                  *([] if _DAMAGES_CACHE["on"] else CHECK),
                  *passthrough_args(self.args), *self.args, str(self.backing), str(self.mnt)],
                 stdout=f,
@@ -182,14 +183,16 @@ def mount_factory(root: Path):
     and, whatever happens, unmounted and its daemon killed."""
     mounts: list[Mount] = []
 
-    def make(*args: str, backing: Path | None = None, name: str = "m") -> Mount:
+    def make(*args: str, backing: Path | None = None, name: str = "m",
+             wrap: list[str] | None = None) -> Mount:
         base = root / name
         base.mkdir()
         b = backing or base / "backing"
         b.mkdir(exist_ok=True)
         (base / "cache").mkdir()
         (base / "mnt").mkdir()
-        m = Mount(b, base / "cache", base / "mnt", list(args), base / "daemon.log")
+        m = Mount(b, base / "cache", base / "mnt", list(args), base / "daemon.log",
+                  wrap=wrap or [])
         mounts.append(m)
         return m.start()
 
