@@ -208,9 +208,12 @@ class Cache:
         if named:
             cf.path = path
         cf.open_count += 1
-        if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY:
+        if flags & os.O_TRUNC:
+            # Linux truncates at O_RDONLY | O_TRUNC too (the kernel checked write permission):
+            # by path then, the descriptor being read-only.
+            writable = flags & os.O_ACCMODE != os.O_RDONLY
             try:
-                await self.writes.truncate(ino, 0, path, fd)
+                await self.writes.truncate(ino, 0, path, fd if writable or not path else None)
             except BaseException:
                 cf.open_count -= 1
                 os.close(fd)
@@ -268,8 +271,9 @@ class Cache:
         cf.backing_unsynced = True      # write-back: its first fsync makes BACKING's file durable
         cf.open_count += 1
         if flags & os.O_TRUNC and (st.st_size or cf.size):     # it existed: truncate it
+            writable = flags & os.O_ACCMODE != os.O_RDONLY      # (else by path, as in open)
             try:
-                st = await self.writes.truncate(ino, 0, path, fd)
+                st = await self.writes.truncate(ino, 0, path, fd if writable else None)
             except BaseException:
                 cf.open_count -= 1
                 os.close(fd)

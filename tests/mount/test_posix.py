@@ -267,6 +267,34 @@ def test_o_trunc(mounted):
     assert same_stat(m, "f").st_size == 3
 
 
+@pytest.mark.parametrize("creat", [0, os.O_CREAT])
+def test_o_trunc_with_o_rdonly_truncates_as_linux_does(mounted, creat):
+    """POSIX leaves O_RDONLY | O_TRUNC open; Linux truncates (given write permission).
+    cachefs kept the data (and with O_CREAT failed: BACKING's read-only descriptor cannot
+    be truncated)."""
+    m = mounted
+    data = os.urandom(128 * KiB)
+    (m.backing / "f").write_bytes(data)
+    (m.backing / "f").chmod(0o444)              # root may write: the kernel lets it truncate
+    direct_read_twice(m.path("f"), len(data))
+    fd = os.open(m.path("f"), os.O_RDONLY | os.O_TRUNC | creat, 0o644)
+    try:
+        assert os.fstat(fd).st_size == 0
+        assert os.pread(fd, 100, 0) == b""
+    finally:
+        os.close(fd)
+    assert m.path("f").read_bytes() == b""
+    assert (flushed(m) / "f").read_bytes() == b""
+    m.path("g").write_bytes(data)
+    os.chmod(m.path("g"), 0o644)
+    os.chmod(m.mnt, 0o755)
+    res = subprocess.run(["/usr/bin/python3", "-c", f"import os; os.open({str(m.path('g'))!r}, "
+                          "os.O_RDONLY | os.O_TRUNC)"], user=USER, group=USER, cwd="/",
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode != 0 and "PermissionError" in res.stderr, res.stderr
+    assert m.path("g").read_bytes() == data     # a user without write permission: EACCES
+
+
 def test_o_excl(mounted):
     m = mounted
     fd = os.open(m.path("x"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
