@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
+import time
 from typing import Awaitable, Callable, TypeVar
 
 from . import aio
@@ -221,6 +223,18 @@ class Cache:
                     os.close(dfd)
                 raise
             unchanged = False
+        due = _atime_due(cf, st) if flags & os.O_ACCMODE != os.O_WRONLY else None
+        if due is not None:
+            # Reads the cache answers never reach BACKING: BACKING reads a block, so that
+            # it moves the atime by its own rules (relatime: mail readers, tmpwatch and
+            # find -atime go by it), once per change of the file.
+            cf.atime_read = due
+            try:
+                await self.backing.read_call("read", _read_for_atime, fd)
+            except OSError as exc:
+                log.debug("inode %d: the read for its atime failed: %s", ino, exc)
+            else:
+                self.atime_set(ino)     # BACKING's atime is newer than any set before
         if self.write_back and cf.dirty_exts and cf.wb_fd < 0:
             # Dirty data from before a remount: the destager writes through a descriptor of
             # this open file, which reaches it even once its last name is gone.
@@ -366,8 +380,8 @@ class Cache:
             self.state.set_times(cf, (st.st_atime_ns, st.st_mtime_ns))
 
     def atime_set(self, ino: int) -> None:
-        """Write-back: BACKING just took an explicit atime alone (touch -a) for a file with
-        dirty data: a destage pass must no longer put back an atime set before it."""
+        """Write-back: BACKING just took a new atime (touch -a, a read) for a file with dirty
+        data: a destage pass must no longer put back an atime set explicitly before."""
         cf = self.files.get(ino)
         if self.write_back and cf is not None and cf.times is not None \
                 and cf.times[0] != KEEP_ATIME:
@@ -450,3 +464,27 @@ def _writable_twin(fd: int, flags: int) -> int:
         return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
     except OSError:
         return -1
+
+
+def _atime_due(cf: CachedFile, st) -> tuple[int, int] | None:
+    """(mtime, ctime) if a read would move BACKING's atime under relatime (an atime not
+    after the mtime or ctime, or a day old), else None. The mtime a write-back write gave
+    the file counts (BACKING gets it later). Once per (mtime, ctime): on a BACKING mounted
+    noatime the read changes nothing."""
+    mtime = max(st.st_mtime_ns, cf.times[1] if cf.times else 0)
+    key = (mtime, st.st_ctime_ns)
+    if cf.atime_read == key:
+        return None
+    atime = st.st_atime_ns
+    if atime <= mtime or atime <= st.st_ctime_ns or time.time_ns() - atime >= 86_400 * 10**9:
+        return key
+    return None
+
+
+def _read_for_atime(fd: int) -> None:
+    """One block of BACKING's file (aligned: the descriptor may be O_DIRECT)."""
+    buf = mmap.mmap(-1, 4096)
+    try:
+        os.preadv(fd, [buf], 0)
+    finally:
+        buf.close()

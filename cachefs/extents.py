@@ -96,7 +96,7 @@ class CachedFile:
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
-                 "kernel_stale")
+                 "kernel_stale", "atime_read")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -113,6 +113,7 @@ class CachedFile:
         self.wb_fd = -1                    # writable BACKING fd the destager uses
         self.lock = None                   # trio.Lock: destage vs truncate of this file
         self.dirty_exts = 0                # extents with dirty blocks
+        self.atime_read: tuple[int, int] | None = None     # (mtime, ctime) of atime_due
         # ext -> {id: [block mask, tainted mask]} of write-through writes in flight: a block
         # two of them touched at once has an unknown last writer in BACKING (tainted)
         self.wtrack: dict[int, dict[int, list[int]]] = {}

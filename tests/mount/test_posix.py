@@ -1147,3 +1147,32 @@ def test_a_filesystem_mounted_inside_backing_is_not_crossed_into(make_mount, mak
         wait_until(lambda: "does not cross into it" in m.logs[-1].read_text(), 5)
     finally:
         subprocess.run(["umount", "-l", str(backing / "sub")], capture_output=True)
+
+
+def test_a_read_the_cache_answers_moves_atime_as_relatime_does(mounted):
+    """Reads the cache answered never reached BACKING, so atime stayed where it was (a
+    helper's differential hunt): "new mail" checks, tmpwatch and find -atime go by it. Now
+    a read-open reads a block of BACKING when relatime would move the atime."""
+    m = mounted
+    data = os.urandom(128 * KiB)
+    m.path("f").write_bytes(data)
+    direct_read_twice(m.path("f"), len(data))                     # cached
+    subprocess.run(["touch", "-a", "-d", "2020-01-01", str(m.path("f"))], check=True)
+    subprocess.run(["touch", "-m", "-d", "2021-01-01", str(m.path("f"))], check=True)
+    old = os.stat(m.backing / "f").st_atime
+    assert old < time.time() - 86400
+    start = time.time() - 2
+    assert m.path("f").read_bytes() == data
+    wait_until(lambda: os.stat(m.path("f")).st_atime >= start, 5, what="atime through the mount")
+    assert os.stat(m.backing / "f").st_atime >= start
+    # appended (in write-back, BACKING's mtime moves only at the destage), then read: the
+    # atime is not before the mtime, as on ext4
+    with open(m.path("f"), "ab") as f:
+        f.write(b"more")
+    time.sleep(0.05)
+    assert m.path("f").read_bytes() == data + b"more"
+    flushed(m)
+    st = os.stat(m.backing / "f")
+    # (BACKING's atime comes from the kernel's coarse clock, up to a tick behind the fine
+    # one a write-back write's mtime is taken from)
+    assert st.st_atime_ns >= st.st_mtime_ns - 20_000_000, (st.st_atime_ns, st.st_mtime_ns)
