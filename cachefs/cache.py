@@ -379,6 +379,15 @@ class Cache:
         if self.write_back and cf is not None and cf.dirty_exts and st is not None:
             self.state.set_times(cf, (st.st_atime_ns, st.st_mtime_ns))
 
+    def caps_set(self, ino: int, value: bytes | None) -> None:
+        """Write-back: security.capability was set (or removed: None) through the mount
+        after the file's last write. BACKING holds it now, but the destage's write of that
+        earlier data drops it there, as any write does: the destage puts it back (F7 of a
+        helper's hunt: cp + setcap, tar --xattrs and rsync -X lost every capability)."""
+        cf = self.files.get(ino)
+        if self.write_back and cf is not None:
+            cf.caps = value if cf.dirty_exts else None
+
     def atime_set(self, ino: int) -> None:
         """Write-back: BACKING just took a new atime (touch -a, a read) for a file with dirty
         data: a destage pass must no longer put back an atime set explicitly before."""

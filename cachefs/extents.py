@@ -96,7 +96,7 @@ class CachedFile:
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
-                 "kernel_stale", "atime_read")
+                 "kernel_stale", "atime_read", "caps")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -114,6 +114,7 @@ class CachedFile:
         self.lock = None                   # trio.Lock: destage vs truncate of this file
         self.dirty_exts = 0                # extents with dirty blocks
         self.atime_read: tuple[int, int] | None = None     # (mtime, ctime) of atime_due
+        self.caps: bytes | None = None     # security.capability set after the last write
         # ext -> {id: [block mask, tainted mask]} of write-through writes in flight: a block
         # two of them touched at once has an unknown last writer in BACKING (tainted)
         self.wtrack: dict[int, dict[int, list[int]]] = {}

@@ -29,6 +29,7 @@ from .handles import Handles
 from .hit import install_fast_hits
 from .inodes import ROOT_INODE, InodeTable
 from .integrity import Damaged
+from .namespace import CAPS as CAPS_XATTR
 from .openmode import Answer, Kernel
 from .oplog import RateLimitedLog
 
@@ -470,6 +471,8 @@ class Operations(pyfuse3.Operations):
             await self._kill_suidgid(of)
         if not self._ns.caps_absent(of.ino) and await self._ns.kill_caps(of.ino, of.backing_fd):
             self._cache.own_metadata_change(of.ino, None)   # only BACKING's ctime moved
+        if of.cfile.caps is not None:       # a write drops it: no destage puts it back
+            of.cfile.caps = None
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)
@@ -687,9 +690,13 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         if inode == ROOT_INODE and name == CONTROL_XATTR:
             raise FUSEError(errno.EPERM)
+        caps = name == CAPS_XATTR
         try:
-            await self._xattr_call(
-                inode, lambda path, fd: self._ns.setxattr(path, fd, name, value, inode))
+            async with self._cache.times_guard(inode, caps):     # not during a destage pass
+                await self._xattr_call(
+                    inode, lambda path, fd: self._ns.setxattr(path, fd, name, value, inode))
+                if caps:
+                    self._cache.caps_set(inode, value)
         finally:
             self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
@@ -697,12 +704,16 @@ class Operations(pyfuse3.Operations):
 
     @_errno_mapped
     async def removexattr(self, inode, name, ctx):
+        caps = name == CAPS_XATTR
         try:
-            await self._xattr_call(
-                inode, lambda path, fd: self._ns.removexattr(path, fd, name, inode))
+            async with self._cache.times_guard(inode, caps):     # not during a destage pass
+                await self._xattr_call(
+                    inode, lambda path, fd: self._ns.removexattr(path, fd, name, inode))
+                if caps:
+                    self._cache.caps_set(inode, None)
         finally:
             self._ns.xattrs_changed(inode)
-        if name == b"security.capability":
+        if caps:
             self._caps_killed.add(inode)            # an empty setattr may follow (_setattr)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
         self._cache.backing_changed(inode)

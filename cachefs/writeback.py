@@ -37,6 +37,7 @@ from .dirty import DirtyIndex
 from .errors import CommandFailed
 from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, KEEP_ATIME, block_mask, runs
 from .integrity import block_sum
+from .namespace import CAPS
 from .oplog import RateLimitedLog
 from .stats import Stats
 
@@ -304,7 +305,7 @@ class Destager:
                     # completes, its blocks stay dirty for the next mount.
                     st, damaged = await self._backing.write_call(
                         _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times,
-                        abandon_on_cancel=True)
+                        cf.caps, abandon_on_cancel=True)
                     self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
                 except BaseException as exc:
                     if not isinstance(exc, OSError):
@@ -421,12 +422,15 @@ def expected_sums(cf: "CachedFile", runs: list[tuple[int, int]]) -> dict[int, in
 
 
 def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dict[int, int],
-                times: tuple[int, int] | None = None) -> tuple[os.stat_result, list[int]]:
+                times: tuple[int, int] | None = None, caps: bytes | None = None
+                ) -> tuple[os.stat_result, list[int]]:
     """Copy runs from the cache file to BACKING, then make BACKING durable (one thread call);
     returns BACKING's stat and the offsets of blocks left out because they failed their
     checksums (garbage never reaches BACKING). `times`: (atime_ns, mtime_ns) the file had
     through the mount (its last write, or times set explicitly since), put back after the
-    data, which moved BACKING's mtime (atime KEEP_ATIME: BACKING's stays).
+    data, which moved BACKING's mtime (atime KEEP_ATIME: BACKING's stays). `caps`: the
+    security.capability set through the mount after that data was written, which BACKING's
+    write of it dropped: put back.
 
     The runs go out together through AIO (BACKING serves them in parallel; a FUSE BACKING
     would otherwise take them one at a time), then one fdatasync covers them all.
@@ -459,6 +463,8 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
         if direct >= 0:
             os.close(direct)
     os.fdatasync(fd)
+    if caps is not None:            # set after the data's write: BACKING's write dropped it
+        os.setxattr(fd, CAPS, caps)
     if times is not None:
         atime, mtime = times
         os.utime(fd, ns=(os.fstat(fd).st_atime_ns if atime == KEEP_ATIME else atime, mtime))

@@ -157,3 +157,28 @@ def test_a_write_drops_a_capability_at_once(make_mount, mode, direct):
     assert modes(m, "tool", mode) == (0o6755, 0o6755)
     os.chown(p, -1, -1)
     assert modes(m, "tool", mode) == (0o755, 0o755)
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_capability_set_after_the_write_survives_the_destage(make_mount, mode):
+    """cp + setcap, tar --xattrs, rsync -X: the capability comes after the data. In
+    write-back the destage's write of that data to BACKING dropped it (as any write does):
+    every capability was lost (a helper's differential hunt). A write or a truncate after
+    the capability still drops it, as on ext4."""
+    m = make_mount("--mode", mode, "--max-dirty-age", "600")
+    for name in ("keep", "written", "cut"):
+        m.path(name).write_bytes(os.urandom(100_000))
+        os.setxattr(m.path(name), CAPS, CAPS_VALUE)
+    with open(m.path("written"), "r+b") as f:
+        f.write(b"new")
+    os.truncate(m.path("cut"), 5000)
+    ctl_flush(m)
+    for where in (m.path("keep"), m.backing / "keep"):
+        assert os.getxattr(where, CAPS) == CAPS_VALUE, where
+    for name in ("written", "cut"):
+        for where in (m.path(name), m.backing / name):
+            with pytest.raises(OSError) as err:
+                os.getxattr(where, CAPS)
+            assert err.value.errno == errno.ENODATA, where
+    m.restart()
+    assert os.getxattr(m.path("keep"), CAPS) == CAPS_VALUE
