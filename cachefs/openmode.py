@@ -73,6 +73,7 @@ class Held:
     opens: int = 0              # handles answered PASSTHROUGH or JOINED
     current: bool = True        # the registered file is still the file's cache file
     mapped_writable: bool = False   # an O_RDWR open had it as backing file
+    writers: int = 0            # O_RDWR opens answered JOINED (they can map it writable)
     generation: int = 0         # bumped at every open: a check that began before is void
     sync_failed: bool = False   # copying a mapping's writes to BACKING failed (logged once)
 
@@ -299,6 +300,8 @@ class OpenModes:
             self.stats.passthrough_joined += 1
             if of.flags & os.O_ACCMODE != os.O_RDONLY:
                 self._page_cache_stale.add(of.ino)
+                if of.flags & os.O_ACCMODE == os.O_RDWR:
+                    h.writers += 1
                 if of.flags & os.O_ACCMODE == os.O_RDWR and not h.mapped_writable and \
                         h.current:
                     h.mapped_writable = True
@@ -314,6 +317,10 @@ class OpenModes:
         if of.mode in (PASSTHROUGH, JOINED):
             h = of.cfile.held
             h.opens -= 1
+            if of.mode == JOINED and of.flags & os.O_ACCMODE == os.O_RDWR:
+                h.writers -= 1
+                if not h.writers and h.mapped_writable:
+                    self._wake.set()    # once no process maps it: to BACKING (_settled)
             if h.opens == 0:
                 self._close_id(h.backing_id)
                 h.backing_id = 0
@@ -328,25 +335,35 @@ class OpenModes:
     # -- letting go ----------------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Let go of held files whose passthrough opens are gone and that no process maps."""
+        """Let go of held files whose passthrough opens are gone and that no process maps;
+        and copy what a shared writable mapping wrote as soon as no O_RDWR open and no
+        mapping is left, though readers keep the file open (a reader's hold kept an
+        msync'd write off BACKING in write-through for as long as it stayed open: a
+        helper's differential hunt)."""
         task_status.started()
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
-            while any(h.opens == 0 for h in self.held.values()):
+            while any(_idle(h) for h in self.held.values()):
                 await trio.sleep(HOLD_CHECK_S)
-                idle = {ino: h.generation for ino, h in self.held.items() if h.opens == 0}
+                idle = {ino: h.generation for ino, h in self.held.items() if _idle(h)}
                 if not idle:
                     break
                 mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev,
                                                        set(idle))
                 for ino, gen in idle.items():
                     h = self.held.get(ino)
-                    if h is None or h.opens or h.generation != gen or ino in mapped:
+                    if h is None or h.generation != gen or ino in mapped:
                         continue
-                    await self._let_go(h)
+                    if h.opens == 0:
+                        await self._let_go(h)
+                    elif h.mapped_writable and not h.writers:
+                        await self._settled(h)
 
-    async def _let_go(self, h: Held) -> None:
+    async def _settled(self, h: Held) -> bool:
+        """No shared writable mapping of a held file is left: what they wrote goes to
+        BACKING (write-through) or turns dirty (write-back). False if that failed (tried
+        again later)."""
         cf = h.cf
         if h.mapped_writable and h.current and self._s.files.get(cf.ino) is cf \
                 and not cf.doomed:
@@ -360,9 +377,13 @@ class OpenModes:
                     log.warning("inode %d: copying what a shared mapping wrote to BACKING "
                                 "failed (%s); it is tried again every second (and by the "
                                 "next mount)", cf.ino, exc)
-                return
-            if h.opens:
-                return                  # opened again meanwhile: still held
+                return False
+        return True
+
+    async def _let_go(self, h: Held) -> None:
+        cf = h.cf
+        if not await self._settled(h) or h.opens:
+            return                      # failed, or opened again meanwhile: still held
         if self.held.get(cf.ino) is h and not h.opens:
             del self.held[cf.ino]
             cf.held = None
@@ -373,20 +394,23 @@ class OpenModes:
 
     async def settle(self) -> None:
         """Let go now, not at the next check, of held files a shared writable mapping may
-        have written and that no open or mapping holds any more: what it wrote goes to
+        have written and that no O_RDWR open or mapping holds any more: what it wrote goes to
         BACKING (write-through) or turns dirty (write-back). A flush does this first, so
         that it destages the mapping's bytes, and so does the unmount (a file still mapped
         then, after a lazy unmount, keeps its mark: the next mount takes it as written)."""
         wrote = {ino: h.generation for ino, h in self.held.items()
-                 if h.mapped_writable and not h.opens}
+                 if h.mapped_writable and not h.writers}
         if not wrote:
             return
         mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev, set(wrote))
         for ino, gen in wrote.items():
             h = self.held.get(ino)
-            if h is None or h.opens or h.generation != gen or ino in mapped:
+            if h is None or h.writers or h.generation != gen or ino in mapped:
                 continue
-            await self._let_go(h)
+            if h.opens:
+                await self._settled(h)          # readers keep it held
+            else:
+                await self._let_go(h)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -461,3 +485,8 @@ def fuse_device(real_mountpoint: str) -> tuple[int, int] | None:
         pass
     return None
 
+
+def _idle(h: Held) -> bool:
+    """A held file to look at (OpenModes.run): no open, or a shared writable mapping's
+    writes to settle once no O_RDWR open is left."""
+    return h.opens == 0 or (h.mapped_writable and not h.writers)

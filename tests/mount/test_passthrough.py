@@ -213,6 +213,49 @@ def test_shared_writable_mmap_reaches_backing(pt_mount, mode):
 
 
 
+def test_a_mapped_write_reaches_backing_while_a_reader_still_holds_the_file(pt_mount, mode):
+    """The mapping's writes were copied to BACKING (write-through) only once the last open
+    of the file was gone: a reader keeping it open (tail -f, a log shipper, a second
+    connection) kept an msync'd write off BACKING, and the mount showed the old mtime, for
+    as long as it stayed open (a helper's differential hunt: 26 s and more)."""
+    m = pt_mount
+    data, r = held_file(m, "mm")
+    try:
+        w = os.open(m.path("mm"), os.O_RDWR)
+        try:
+            with mmap.mmap(w, 0) as mp:
+                patch = os.urandom(20000)
+                mp[5000:25000] = patch
+                data[5000:25000] = patch
+                mp.flush()
+        finally:
+            os.close(w)
+        if mode == "write-back":
+            wait_until(lambda: m.stats()["dirty_bytes"] >= len(data), 10, what="dirty")
+            ctl_flush(m)
+        wait_until(lambda: (m.backing / "mm").read_bytes() == data, 10, what="BACKING")
+        assert m.stats()["passthrough_held_files"] == 1          # the reader holds it
+        assert pread_all(r, len(data)) == data
+        # a second writer maps it again: its writes are taken again at its end
+        w = os.open(m.path("mm"), os.O_RDWR)
+        try:
+            with mmap.mmap(w, 0) as mp:
+                mp[0:100] = b"x" * 100
+                data[0:100] = b"x" * 100
+        finally:
+            os.close(w)
+        if mode == "write-back":
+            wait_until(lambda: m.stats()["dirty_bytes"] >= len(data), 10, what="dirty")
+            ctl_flush(m)
+        wait_until(lambda: (m.backing / "mm").read_bytes() == data, 10, what="BACKING again")
+        assert pread_all(r, len(data)) == data
+    finally:
+        os.close(r)
+    m.stop()
+    m.start()
+    assert read_all(m.path("mm"), direct=True) == data
+
+
 def test_mapped_file_renamed_and_its_name_reused(pt_mount, mode):
     """A file mapped shared and writable is renamed and a new file takes its old name: the
     mapping's bytes reach the renamed file, and the new file is left alone (write-through
