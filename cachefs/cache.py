@@ -223,7 +223,8 @@ class Cache:
                     os.close(dfd)
                 raise
             unchanged = False
-        due = _atime_due(cf, st) if flags & os.O_ACCMODE != os.O_WRONLY else None
+        due = (_atime_due(cf, st) if flags & os.O_ACCMODE != os.O_WRONLY
+               and not flags & os.O_NOATIME else None)
         if due is not None:
             # Reads the cache answers never reach BACKING: BACKING reads a block, so that
             # it moves the atime by its own rules (relatime: mail readers, tmpwatch and
