@@ -344,6 +344,8 @@ class Cache:
             self.dirty.restamp(still, snapshot_s)
         if not cf.dirty_exts and cf.times is not None:
             self.state.set_times(cf, None)          # BACKING has the data and the times
+        if not cf.dirty_exts and cf.caps is not None:
+            self.state.set_caps(cf, None)           # and its capability
         self.coherence.own_change(cf, st, size_exact=False)
         if shown is not None:
             self.state.mask_ctime(cf.ino, st.st_ctime_ns, shown)
@@ -380,14 +382,22 @@ class Cache:
         if self.write_back and cf is not None and cf.dirty_exts and st is not None:
             self.state.set_times(cf, (st.st_atime_ns, st.st_mtime_ns))
 
-    def caps_set(self, ino: int, value: bytes | None) -> None:
+    def caps_set(self, ino: int, value: bytes | None) -> bool:
         """Write-back: security.capability was set (or removed: None) through the mount
         after the file's last write. BACKING holds it now, but the destage's write of that
-        earlier data drops it there, as any write does: the destage puts it back (F7 of a
-        helper's hunt: cp + setcap, tar --xattrs and rsync -X lost every capability)."""
+        earlier data drops it there, as any write does: the destage puts it back (a
+        helper's hunt: cp + setcap, tar --xattrs and rsync -X lost every capability).
+        True if it is to be put back (the caller makes that durable)."""
         cf = self.files.get(ino)
-        if self.write_back and cf is not None:
-            cf.caps = value if cf.dirty_exts else None
+        if not self.write_back or cf is None:
+            return False
+        self.state.set_caps(cf, value if cf.dirty_exts else None)
+        return cf.caps is not None
+
+    def caps_dropped(self, cf: CachedFile) -> None:
+        """A write or truncate through the mount dropped the file's capability."""
+        if cf.caps is not None:
+            self.state.set_caps(cf, None)
 
     def atime_set(self, ino: int) -> None:
         """Write-back: BACKING just took a new atime (touch -a, a read) for a file with dirty

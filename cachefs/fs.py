@@ -472,7 +472,7 @@ class Operations(pyfuse3.Operations):
         if not self._ns.caps_absent(of.ino) and await self._ns.kill_caps(of.ino, of.backing_fd):
             self._cache.own_metadata_change(of.ino, None)   # only BACKING's ctime moved
         if of.cfile.caps is not None:       # a write drops it: no destage puts it back
-            of.cfile.caps = None
+            self._cache.caps_dropped(of.cfile)
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)
@@ -695,8 +695,8 @@ class Operations(pyfuse3.Operations):
             async with self._cache.times_guard(inode, caps):     # not during a destage pass
                 await self._xattr_call(
                     inode, lambda path, fd: self._ns.setxattr(path, fd, name, value, inode))
-                if caps:
-                    self._cache.caps_set(inode, value)
+                if caps and self._cache.caps_set(inode, value):
+                    await self._cache.persister.persist(durable=True)    # before the answer
         finally:
             self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved

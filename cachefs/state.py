@@ -38,6 +38,7 @@ log = logging.getLogger("cachefs.cache")
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
 MAPPED = "mapped:"           # meta key prefix: a held file mapped shared and writable
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
+CAPS = "caps:"               # meta key prefix of a capability awaiting a destage (set_caps)
 CTIMES = "ctime:"            # meta key prefix of a ctime shown over a destage's (mask_ctime)
 CTIMES_KEPT = 65536          # files whose ctime is shown over a destage's, at most
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
@@ -128,6 +129,12 @@ class CacheState:
                 cf.times = (int(a), int(m))
             else:
                 self.store.queue_meta(key, None)
+        for key, value in self.store.meta_items(CAPS).items():
+            cf = self.files.get(int(key[len(CAPS):]))
+            if cf is not None and cf.dirty_exts:
+                cf.caps = bytes.fromhex(value)
+            else:
+                self.store.queue_meta(key, None)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -183,6 +190,15 @@ class CacheState:
         times = cf.times
         if times is None or times[1] != now:
             self.set_times(cf, (KEEP_ATIME if times is None else times[0], now))
+
+    def set_caps(self, cf: CachedFile, value: bytes | None) -> None:
+        """Write-back: the security.capability set through the mount after the file's last
+        write (None: none, or a write or truncate since dropped it), which the destage puts
+        back on BACKING after writing the data (its write drops it there)."""
+        if value == cf.caps:
+            return
+        cf.caps = value
+        self.store.queue_meta(f"{CAPS}{cf.ino}", None if value is None else value.hex())
 
     def set_times(self, cf: CachedFile, times: tuple[int, int] | None) -> None:
         """Write-back: the (atime_ns, mtime_ns) BACKING is to have once the file's dirty data

@@ -414,8 +414,8 @@ class WritePath(HeldWrites, Allocations):
                        ) -> os.stat_result:
         """Change a file's size in BACKING, dropping cached blocks past the new end."""
         cf = self.files.get(ino)
-        if cf is not None:
-            cf.caps = None              # BACKING's truncate drops the capability, as ext4's
+        if cf is not None and cf.caps is not None:
+            self._s.set_caps(cf, None)  # BACKING's truncate drops the capability, as ext4's
         if cf is None:
             st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, path,
                                                fd, size, ino)

@@ -182,3 +182,22 @@ def test_a_capability_set_after_the_write_survives_the_destage(make_mount, mode)
             assert err.value.errno == errno.ENODATA, where
     m.restart()
     assert os.getxattr(m.path("keep"), CAPS) == CAPS_VALUE
+
+
+def test_a_capability_set_after_the_write_survives_a_kill_before_the_destage(make_mount):
+    """The capability to put back after the destage is durable before setxattr returns:
+    kill -9 before the destage, then the next mount destages the data and puts it back."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600")
+    data = os.urandom(100_000)
+    with open(m.path("tool"), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())                    # the data survives the kill (dirty)
+    os.setxattr(m.path("tool"), CAPS, CAPS_VALUE)
+    m.kill()
+    m.start()
+    assert m.stats()["dirty_bytes"] >= len(data)
+    ctl_flush(m)
+    assert (m.backing / "tool").read_bytes() == data
+    for where in (m.path("tool"), m.backing / "tool"):
+        assert os.getxattr(where, CAPS) == CAPS_VALUE, where
