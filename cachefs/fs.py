@@ -87,7 +87,6 @@ class Operations(pyfuse3.Operations):
         # Directories removed while the kernel still knows them (a process's cwd): their last
         # attributes, so stat(".") and opendir(".") work there as on Linux (nlink 0, empty).
         self._removed_dirs: dict[int, os.stat_result] = {}
-        self._caps_killed: set[int] = set()     # security.capability just removed (setattr)
         self._limited = RateLimitedLog(log)       # errors a loop of requests may repeat
         self._attrs = Attributes(cfg, cache)
         self._attr = self._attrs.of
@@ -251,15 +250,11 @@ class Operations(pyfuse3.Operations):
             times = (attr.st_atime_ns if fields.update_atime else None,
                      attr.st_mtime_ns if fields.update_mtime else None)
         # chown(f, -1, -1) reaches us with nothing to change, but on Linux it changes the
-        # ctime and drops the setuid/setgid bits: BACKING gets the same call. The kernel's
-        # empty setattr right after it removed security.capability before a write (the
-        # removexattr came first) is no chown: ext4 keeps a root writer's setuid bits there.
+        # ctime and drops the setuid/setgid bits: BACKING gets the same call. (The kernel's
+        # empty setattr after it removed security.capability before a root write looks the
+        # same, so such a write drops the setuid bits too: see docs/operations.md.)
         touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
                      or times is not None)
-        killed_caps = inode in self._caps_killed
-        self._caps_killed.discard(inode)
-        if touch and killed_caps:
-            return await self.getattr(inode)         # nothing to do
         async with self._cache.times_guard(inode, bool(fields.update_mtime
                                                        or fields.update_atime)):
             with self._cache.changing(inode):
@@ -713,8 +708,6 @@ class Operations(pyfuse3.Operations):
                     self._cache.caps_set(inode, None)
         finally:
             self._ns.xattrs_changed(inode)
-        if caps:
-            self._caps_killed.add(inode)            # an empty setattr may follow (_setattr)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
         self._cache.backing_changed(inode)
 
