@@ -61,3 +61,5 @@ class Attributes:
         if cf.times is not None:        # what BACKING gets after the destage (set_times)
             a.st_mtime_ns = cf.times[1]
             a.st_ctime_ns = max(a.st_ctime_ns, cf.times[1])
+            if cf.times[0] > a.st_atime_ns:     # a read's (cache.open), not KEEP_ATIME (-1)
+                a.st_atime_ns = cf.times[0]

@@ -230,12 +230,18 @@ class Cache:
             # it moves the atime by its own rules (relatime: mail readers, tmpwatch and
             # find -atime go by it), once per change of the file.
             cf.atime_read = due
-            try:
-                await self.backing.read_call("read", _read_for_atime, fd)
-            except OSError as exc:
-                log.debug("inode %d: the read for its atime failed: %s", ino, exc)
+            if self.write_back and cf.dirty_exts and cf.times is not None \
+                    and cf.times[1] > st.st_mtime_ns:
+                # BACKING's relatime goes by its own mtime, older than the write's (not yet
+                # destaged): the destage sets the atime of this read with the mtime.
+                self.state.set_times(cf, (due[2], cf.times[1]))
             else:
-                self.atime_set(ino)     # BACKING's atime is newer than any set before
+                try:
+                    await self.backing.read_call("read", _read_for_atime, fd)
+                except OSError as exc:
+                    log.debug("inode %d: the read for its atime failed: %s", ino, exc)
+                else:
+                    self.atime_set(ino)     # BACKING's atime is newer than any set before
         if self.write_back and cf.dirty_exts and cf.wb_fd < 0:
             # Dirty data from before a remount: the destager writes through a descriptor of
             # this open file, which reaches it even once its last name is gone.
@@ -486,18 +492,22 @@ def _writable_twin(fd: int, flags: int) -> int:
         return -1
 
 
-def _atime_due(cf: CachedFile, st) -> tuple[int, int] | None:
-    """(mtime, ctime) if a read would move BACKING's atime under relatime (an atime not
+DAY_NS = 86_400 * 10**9
+
+
+def _atime_due(cf: CachedFile, st) -> tuple[int, int, int] | None:
+    """(mtime, ctime, now) if a read would move the atime under relatime (an atime not
     after the mtime or ctime, or a day old), else None. The mtime a write-back write gave
-    the file counts (BACKING gets it later). Once per (mtime, ctime): on a BACKING mounted
-    noatime the read changes nothing."""
+    the file counts (BACKING gets it later). Once per (mtime, ctime) and day: on a BACKING
+    mounted noatime the read changes nothing."""
+    now = time.time_ns()
     mtime = max(st.st_mtime_ns, cf.times[1] if cf.times else 0)
-    key = (mtime, st.st_ctime_ns)
-    if cf.atime_read == key:
+    last = cf.atime_read
+    if last is not None and last[:2] == (mtime, st.st_ctime_ns) and now - last[2] < DAY_NS:
         return None
     atime = st.st_atime_ns
-    if atime <= mtime or atime <= st.st_ctime_ns or time.time_ns() - atime >= 86_400 * 10**9:
-        return key
+    if atime <= mtime or atime <= st.st_ctime_ns or now - atime >= DAY_NS:
+        return mtime, st.st_ctime_ns, now
     return None
 
 

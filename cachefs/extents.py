@@ -113,7 +113,7 @@ class CachedFile:
         self.wb_fd = -1                    # writable BACKING fd the destager uses
         self.lock = None                   # trio.Lock: destage vs truncate of this file
         self.dirty_exts = 0                # extents with dirty blocks
-        self.atime_read: tuple[int, int] | None = None     # (mtime, ctime) of atime_due
+        self.atime_read: tuple[int, int, int] | None = None  # cache.atime_due's last
         self.caps: bytes | None = None     # security.capability set after the last write
         # ext -> {id: [block mask, tainted mask]} of write-through writes in flight: a block
         # two of them touched at once has an unknown last writer in BACKING (tainted)
