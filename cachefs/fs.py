@@ -91,7 +91,7 @@ class Operations(pyfuse3.Operations):
         self._attrs = Attributes(cfg, cache)
         self._attr = self._attrs.of
         self._next_fh = 1
-        self._fds = Handles(cache.namespace)         # open handles and their BACKING fds
+        self._fds = Handles(cache.namespace, cache.write_back)         # open handles and their BACKING fds
         self._modes = cache.modes                   # how each open is answered
         self._modes.bind(Kernel(hasattr(pyfuse3, "passthrough_open"),
                                 getattr(pyfuse3, "passthrough_open", None),
@@ -307,7 +307,7 @@ class Operations(pyfuse3.Operations):
             else:
                 st, held = await self._ns.unlink(path)
             self._inodes.unlinked(parent_inode, name)
-            self._inodes.hold(self._inodes.ino_of(st), held)
+            self._hold(self._inodes.ino_of(st), held)
             if stat_mod.S_ISREG(st.st_mode):
                 if st.st_nlink <= 1:
                     self._cache.last_link_removed(self._inodes.ino_of(st))
@@ -354,7 +354,7 @@ class Operations(pyfuse3.Operations):
             self._inodes.renamed(parent_inode_old, name_old, parent_inode_new, name_new,
                                  exchange)
             if held >= 0:
-                self._inodes.hold(self._inodes.ino_of(replaced), held)
+                self._hold(self._inodes.ino_of(replaced), held)
             moved = self._inodes.ino_of(st)
             self._cache.own_metadata_change(moved, st)
             self._cache.renamed(moved, new)
@@ -502,7 +502,24 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):
         of = self._fds.remove(fh)
         self._modes.release(of)
+        if not self._fds.has(of.ino) and self._inodes.hold_deferred(of.ino):
+            try:                        # its last handle: a holder of the node from it
+                held = os.open(f"/proc/self/fd/{of.backing_fd}", os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                held = -1
+            self._inodes.hold(of.ino, held)
         self._fds.close_later(self._cache.release(of))
+
+    def _hold(self, ino: int, held: int) -> None:
+        """Keep `held`, an O_PATH descriptor of BACKING's node `ino` a name of which was just
+        removed (InodeTable.hold). While handles of it are open they hold the node: the
+        holder is made from the last one at its release instead (a descriptor per open
+        file unlinked, thousands of them, ran the daemon out: fsync failed with EIO)."""
+        if held >= 0 and self._fds.has(ino):
+            os.close(held)
+            self._inodes.defer_hold(ino)
+        else:
+            self._inodes.hold(ino, held)
 
     @_errno_mapped
     async def fsync(self, fh, datasync):

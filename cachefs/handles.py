@@ -37,8 +37,9 @@ RECOUNT_EVERY = 32          # opens between two counts of the descriptors really
 
 
 class Handles:
-    def __init__(self, namespace: Namespace):
+    def __init__(self, namespace: Namespace, write_back: bool = False):
         self._ns = namespace
+        self._write_back = write_back
         self.open: dict[int, OpenFile] = {}
         self._by_ino: dict[int, list[OpenFile]] = {}         # ino -> its open handles
         # Released BACKING fds: queued for the closers; the queue is unbounded, but open()
@@ -132,7 +133,8 @@ class Handles:
         let write-back opens run the daemon out of descriptors, and destages, commits and
         fsyncs failed with EMFILE). Far below the budget even at that rate: no count. Near
         it: /proc/self/fd is counted every RECOUNT_EVERY opens, FDS_PER_HANDLE for each
-        handle opened since."""
+        handle opened since, and in write-back one for each file written through an open
+        handle that has no destager descriptor yet (its first write dups one)."""
         n = len(self.open)
         if FDS_PER_HANDLE * n + self._closes_pending < self._handle_budget // 2:
             return 0
@@ -142,6 +144,10 @@ class Handles:
                 counted, at = len(os.listdir("/proc/self/fd")), n
             except OSError:
                 counted, at = FDS_PER_HANDLE * n + self._closes_pending, n
+            if self._write_back:
+                counted += len({id(of.cfile) for of in self.open.values()
+                                if of.flags & os.O_ACCMODE != os.O_RDONLY
+                                and of.cfile.wb_fd < 0})
             self._counted = (counted, at)
         return counted + FDS_PER_HANDLE * max(0, n - at)
 

@@ -16,7 +16,7 @@ ROOT_INODE = 1
 
 
 class Inode:
-    __slots__ = ("ino", "names", "lookups", "is_dir", "seq", "held")
+    __slots__ = ("ino", "names", "lookups", "is_dir", "seq", "held", "hold_later")
 
     def __init__(self, ino: int, is_dir: bool):
         self.ino = ino
@@ -25,6 +25,7 @@ class Inode:
         self.is_dir = is_dir
         self.seq = 0            # a directory: bumped when one of its entries goes (dir_seq)
         self.held = -1          # an O_PATH fd keeping a removed file's number (hold)
+        self.hold_later = False # hold from its last open handle (defer_hold)
 
 
 class InodeTable:
@@ -140,6 +141,21 @@ class InodeTable:
             os.close(fd)
             return
         node.held = fd
+
+    def defer_hold(self, ino: int) -> None:
+        """A name of `ino` was removed while handles of it are open (they keep the node):
+        hold it from the last one, at its release (hold_deferred)."""
+        node = self._inodes.get(ino)
+        if node is not None and node.lookups > 0 and node.held < 0:
+            node.hold_later = True
+
+    def hold_deferred(self, ino: int) -> bool:
+        """Whether `ino` waits for a holder from its last handle (and stops waiting)."""
+        node = self._inodes.get(ino)
+        if node is None or not node.hold_later:
+            return False
+        node.hold_later = False
+        return True
 
     def held_fd(self, ino: int) -> int:
         """The O_PATH descriptor kept since a name of `ino` went (hold), or -1: it reaches
