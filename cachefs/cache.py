@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import mmap
 import os
 import time
 from typing import Awaitable, Callable, TypeVar
@@ -237,7 +236,9 @@ class Cache:
                 self.state.set_times(cf, (due[2], cf.times[1]))
             else:
                 try:
-                    await self.backing.read_call("read", _read_for_atime, fd)
+                    # (a byte is enough; on a local BACKING whose page cache has it, on
+                    # the loop: git reads back every file it just wrote)
+                    await self.backing.pread(fd, 1, 0)
                 except OSError as exc:
                     log.debug("inode %d: the read for its atime failed: %s", ino, exc)
                 else:
@@ -510,11 +511,3 @@ def _atime_due(cf: CachedFile, st) -> tuple[int, int, int] | None:
         return mtime, st.st_ctime_ns, now
     return None
 
-
-def _read_for_atime(fd: int) -> None:
-    """One block of BACKING's file (aligned: the descriptor may be O_DIRECT)."""
-    buf = mmap.mmap(-1, 4096)
-    try:
-        os.preadv(fd, [buf], 0)
-    finally:
-        buf.close()
