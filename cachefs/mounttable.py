@@ -6,9 +6,17 @@ import os
 import re
 
 
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
 def unescape(field: str) -> str:
-    """A path field of /proc/self/mounts or mountinfo (spaces and such come as \\040)."""
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    """A path field of /proc/self/mounts or mountinfo: the kernel writes space, tab, newline
+    and backslash as octal escapes (\\040) and every other byte as it is (UTF-8 names
+    too, which a unicode_escape decoding took for Latin-1)."""
+    if "\\" not in field:
+        return field
+    raw = _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), os.fsencode(field))
+    return os.fsdecode(raw)
 
 
 def mounts() -> list[tuple[str, str]]:

@@ -28,3 +28,14 @@ def test_resolve_does_not_stat(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "stat", no_stat)
     monkeypatch.setattr(os, "lstat", no_stat)
     assert resolve(str(tmp_path / "l")) == str(tmp_path / "a")
+
+
+def test_unescape_keeps_utf8_names_and_decodes_octal_escapes():
+    """A mountpoint with a space (\\040) and a non-ASCII letter was decoded as Latin-1:
+    `cachefs umount` said it was no cachefs mount, and a second mount stacked on it (a
+    helper's CLI hunt)."""
+    from cachefs.mounttable import unescape
+    assert unescape("/tmp/mnt\\040sp\\040\u00e9") == "/tmp/mnt sp \u00e9"
+    assert unescape("/a\\134b\\012c\\011d") == "/a\\b\nc\td"
+    assert unescape("/plain\u00e9") == "/plain\u00e9"
+    assert unescape("/bad\\377") == os.fsdecode(b"/bad\xff")     # not UTF-8: surrogates
