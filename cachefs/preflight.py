@@ -14,6 +14,7 @@ import resource
 import shutil
 import signal
 import stat
+import subprocess
 import time
 
 from . import mounttable
@@ -42,6 +43,8 @@ def check_paths(cfg: Config) -> None:
         try:
             os.stat(path)
         except OSError as exc:
+            if exc.errno == errno.ENOTCONN and what == "MOUNTPOINT" and _clear_dead(path):
+                continue
             if exc.errno == errno.ENOTCONN:
                 raise UserError(f"{what} {path} is a dead FUSE mount (transport endpoint is "
                                 f"not connected); run fusermount3 -u {path} first.") from None
@@ -117,6 +120,22 @@ def _answers_within(backing: str, timeout_s: float) -> None:
                             f"finish within {timeout_s:g} s (--backing-timeout); mount "
                             "again once its server answers.")
         time.sleep(0.005)
+
+
+def _clear_dead(path: str) -> bool:
+    """A dead cachefs mount left at MOUNTPOINT (its daemon crashed or was killed): unmount it,
+    so that a restart (systemd's Restart=on-failure) mounts again instead of refusing for
+    good. Other dead FUSE mounts are left to the operator."""
+    real = mounttable.resolve(path)
+    if (real, "fuse.cachefs") not in mounttable.mounts():
+        return False
+    for flags in ("-u", "-uz"):
+        if subprocess.run(["fusermount3", flags, real], capture_output=True).returncode == 0:
+            log.warning("MOUNTPOINT %s was a dead cachefs mount (its daemon is gone): "
+                        "unmounted it first; dirty data it left on the SSD is destaged by "
+                        "this mount", real)
+            return True
+    return False
 
 
 def _is_fuse_mount(path: str) -> bool:

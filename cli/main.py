@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import select
@@ -148,7 +149,15 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if users:
         raise UserError(f"{mountpoint} is still used by the mount on {users[0]} (an overlay "
                         "or bind mount of a path in it): unmount that first.")
-    if args.flush:
+    dead = False
+    if args.flush and _dead(mountpoint):
+        # Its daemon is gone (a crash, kill -9): nothing can be flushed, but the dead mount
+        # must go, or a restart (systemd's ExecStop, then ExecStart) meets it again.
+        print(f"cachefs: the daemon of {mountpoint} is gone: nothing was flushed; write-back "
+              "data not yet on BACKING stays on the SSD and is destaged at the next mount.",
+              file=sys.stderr)
+        dead = True
+    elif args.flush:
         from . import ctl
         rc = ctl.main(["flush", mountpoint])
         if rc:
@@ -166,12 +175,26 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if pid is not None and not _wait_exit(pid, args.timeout):
         raise UserError(f"the cachefs daemon (pid {pid}) did not finish within "
                         f"{args.timeout:g} s; it keeps persisting in the background.")
+    if dead:
+        return 1
     if stats and stats["dirty_bytes"]:
         print(f"cachefs: write-back data not yet on BACKING stays on the SSD in "
               f"{stats['cache_dir']} ({format_size(stats['dirty_bytes'])} when the unmount "
               "began); it is destaged at the next mount (use --flush to destage before "
               "unmounting).")
     return 0
+
+
+def _dead(mountpoint: str) -> bool:
+    """A cachefs mount whose daemon is gone: no daemon process for it, and the mount
+    answers ENOTCONN."""
+    if _daemon_pid(mountpoint) is not None:
+        return False
+    try:
+        os.statvfs(mountpoint)          # (a stat may come from the kernel's attribute cache)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
 
 
 def _daemon_pid(mountpoint: str) -> int | None:
