@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_flush(args)
         if args.command == "top":
             from . import top
+            if not 0 < args.interval < 86400 * 365:
+                raise UserError("--interval needs a positive number of seconds.")
             return top.run(args.mountpoint, args.interval, args.count)
         if args.command in ("prefetch", "pin", "unpin"):
             return cmd_warm(args)
@@ -104,7 +106,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    if args.watch is not None and args.watch <= 0:
+    if args.watch is not None and not 0 < args.watch < 86400 * 365:
         raise UserError("--watch needs a positive number of seconds.")
     if args.plot is not None:
         return cmd_plot(args)

@@ -122,7 +122,11 @@ def parse_duration(value: str, what: str) -> float:
                         "with ms, s, m, h or d (30s, 5m, 7d).")
     if n < 0:
         raise UserError(f"{what} {value!r} is negative; give a duration such as 30s or 5m.")
-    return n * _UNITS[unit or "s"]
+    seconds = n * _UNITS[unit or "s"]
+    if not math.isfinite(seconds):
+        raise UserError(f"{what} {value!r} is not a finite duration; give one such as 30s "
+                        "or 7d.")
+    return seconds
 
 
 def _flag(key: str) -> str:

@@ -138,12 +138,15 @@ def _conf_values(path: str) -> dict[str, str]:
 
 
 def _write(path: str, text: str, mode: int = 0o644) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}.") from None
 
 
 def systemd_running() -> bool:

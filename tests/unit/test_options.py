@@ -38,3 +38,15 @@ def test_a_backing_timeout_too_short_to_work_is_refused():
             config("--backing-timeout", short)
         assert "at least 1 s" in str(err.value)
     assert config("--backing-timeout", "1s").backing_timeout_s == 1
+
+
+def test_durations_that_overflow_are_refused_with_a_sentence():
+    """1e305d passed the finiteness check before the unit multiplied it to inf; the daemon
+    then refused 'inf' (a value nobody typed) and the mount exited 1 (a helper's CLI hunt)."""
+    import pytest
+
+    from cachefs.errors import UserError
+    from cachefs_cli.options import parse_duration
+    with pytest.raises(UserError, match="not a finite duration"):
+        parse_duration("1e305d", "--max-dirty-age")
+    assert parse_duration("7d", "--max-dirty-age") == 7 * 86400

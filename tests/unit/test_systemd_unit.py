@@ -158,3 +158,28 @@ def test_activate_runs_systemctl_only_where_systemd_runs():
     said.clear()
     assert unit.activate("cachefs@a.service", False, said.append, failing, lambda: True) == 1
     assert said == ["systemctl daemon-reload failed (status 1): Failed to connect to bus"]
+
+
+def test_install_unit_into_a_root_that_is_a_file_says_so(tmp_path, dirs):
+    """--root naming a file ended in a NotADirectoryError traceback (a helper's CLI hunt)."""
+    backing, mnt = dirs
+    (tmp_path / "root").write_text("not a directory")
+    res = install(tmp_path, "x", str(backing), str(mnt))
+    assert res.returncode == 2, res
+    assert res.stderr.startswith("cachefs: cannot write ") and "Not a directory" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("args", [["stats", "{mnt}", "--watch", "nan"],
+                                  ["stats", "{mnt}", "--watch", "inf"],
+                                  ["top", "{mnt}", "--interval", "nan"],
+                                  ["top", "{mnt}", "--interval", "inf"]])
+def test_ctl_refuses_nan_and_infinite_seconds(dirs, args):
+    """NaN and inf passed the checks for 0 and -1 and ended in tracebacks from time.sleep
+    and settimeout (a helper's CLI hunt)."""
+    from tests.conftest import CTL
+    _, mnt = dirs
+    res = subprocess.run([*CTL, *(a.format(mnt=mnt) for a in args)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2, res
+    assert "needs a positive number of seconds" in res.stderr and "Traceback" not in res.stderr
