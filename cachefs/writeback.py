@@ -51,6 +51,7 @@ MIN_RATE = 4 << 20             # B/s assumed before the first measurement
 MAX_DELAY_S = 2.0              # one write is never held longer than this
 BACKOFF_MAX_S = 30.0
 BACKOFF_FORCED_S = 1.0         # longest wait between retries while a flush asks for everything
+FLUSH_STALL_TIMEOUTS = 5   # a flush gives up after this many --backing-timeout without progress
 MIN_PASS_BYTES = 64 << 10      # after failures a file's passes shrink to this (one extent)
 # Destage: join two dirty runs across a gap of clean valid blocks up to this long. Writing
 # the gap costs link time (gap / bandwidth); a separate request costs a random access, but
@@ -365,7 +366,10 @@ class Destager:
     async def flush(self, timeout_s: float | None, progress=None) -> None:
         """Destage every dirty byte now (cachefs-ctl flush, umount --flush), then make the
         metadata durable. `progress` (async) gets a dict every half second. Raises
-        CommandFailed on timeout, or when BACKING keeps failing with no progress for 5 s."""
+        CommandFailed on timeout, when BACKING keeps failing with no progress for 5 s, or
+        when it takes no destage write at all for FLUSH_STALL_TIMEOUTS x --backing-timeout
+        (a hung BACKING: its calls neither fail nor end; `cachefs umount --flush`, the
+        unit's stop, waited for ever)."""
         cache = self._cache
         start = time.monotonic()
         self.force += 1
@@ -394,6 +398,12 @@ class Destager:
                         and time.monotonic() - self.last_progress_s > 5):
                     raise CommandFailed(f"{self.last_error}; "
                                         f"{format_size(cache.dirty_bytes())} still dirty.")
+                stalled = time.monotonic() - max(start, self.last_progress_s)
+                if stalled > FLUSH_STALL_TIMEOUTS * self._backing.timeout_s:
+                    raise CommandFailed(
+                        f"BACKING took no destage write for {stalled:.0f} s (hung?); "
+                        f"{format_size(cache.dirty_bytes())} still dirty, kept on the SSD "
+                        "and destaged when BACKING answers.")
                 await cache.dirty.wait_cleaned(0.5)
             await cache.persist(durable=True)
         finally:

@@ -204,3 +204,35 @@ def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mou
     ctl_flush(m)
     assert (src / "new").read_bytes() == data
 
+
+
+def test_umount_flush_gives_up_on_a_hung_backing(make_mount, slow_backing):
+    """`cachefs umount --flush` (the systemd unit's stop) with BACKING hung: a destage that
+    neither fails nor ends was no error, so the flush waited for ever (a helper: still at
+    0 % after 100 s). It gives up after 5 x --backing-timeout with a sentence; the data
+    stays dirty on the SSD and the mount stays up."""
+    src, slow, sf = slow_backing
+    m = make_mount("--mode", "write-back", "--backing-timeout", "1.5", "--max-dirty-age", "600",
+                   backing=slow)
+    data = os.urandom(256 << 10)
+    fd = os.open(m.path("new"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    sf.set(hang=1)
+    try:
+        t0 = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", "cachefs_cli.main", "umount", "--flush",
+                              str(m.mnt)], capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+        assert res.returncode != 0, res
+        assert "took no destage write" in res.stderr and "Traceback" not in res.stderr, res
+        assert took < 30, took
+        assert m.stats()["dirty_bytes"] >= len(data)
+    finally:
+        sf.set(hang=0)
+    from tests.conftest import ctl_flush
+    ctl_flush(m)
+    assert (src / "new").read_bytes() == data
