@@ -4,6 +4,7 @@ cachefs mount."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -205,7 +206,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     rels = []
     for path in args.paths:
         if not os.path.lexists(path):
-            raise UserError(f"{path} does not exist.")
+            raise UserError(_missing(path))
         real = os.path.realpath(path)
         if real != mnt and not real.startswith(mnt.rstrip("/") + "/"):
             raise UserError(f"{path} is not under the mount {args.mountpoint}.")
@@ -281,6 +282,17 @@ def cachefs_mounts() -> list[str]:
     return [mnt for mnt, fstype in mounttable.mounts() if fstype.startswith("fuse")]
 
 
+def _missing(path: str) -> str:
+    """Why `path` cannot be found: it does not exist, or a mount on its way is dead."""
+    try:
+        os.lstat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            return (f"{path} is on a dead FUSE mount (its daemon is gone); run cachefs umount "
+                    "on its mountpoint.")
+    return f"{path} does not exist."
+
+
 def locate(paths: list[str]) -> dict[str, list[str]]:
     """Group paths by the cachefs mount holding them: {mountpoint: [relative paths]}.
     Raises UserError (exit 2) for a path that is missing or not under a cachefs mount."""
@@ -288,7 +300,7 @@ def locate(paths: list[str]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for path in paths:
         if not os.path.lexists(path):
-            raise UserError(f"{path} does not exist.")
+            raise UserError(_missing(path))
         real = os.path.realpath(path)
         inside = [m for m in mounts if real == m or real.startswith(m.rstrip("/") + "/")]
         mnt = max(inside, key=len, default=None)

@@ -142,6 +142,8 @@ def _run_foreground(cfg) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
+    if not 0 < args.timeout < float("inf"):             # (NaN too)
+        raise UserError("--timeout needs a positive number of seconds.")
     mountpoint = mounttable.resolve(args.mountpoint)     # (no stat: BACKING may hang)
     if not _is_cachefs_mount(mountpoint):
         raise UserError(f"{mountpoint} is not a cachefs mount.")

@@ -448,6 +448,8 @@ def test_dead_mount(make_mount, env):
     assert exc.value.errno == errno.ENOTCONN
     res = run([*CTL, "stats", str(m.mnt)])
     assert_sentence(res, str(m.mnt), "dead FUSE mount")
+    res = run([*CTL, "pin", str(m.path("a"))])         # was: "does not exist"
+    assert_sentence(res, "dead FUSE mount")
     res = run([*CACHEFS, "umount", "--flush", str(m.mnt)])
     assert res.returncode == 1, res.stderr
     assert "is gone" in res.stderr and "Traceback" not in res.stderr, res.stderr
@@ -474,6 +476,13 @@ def _enotconn(path) -> bool:
 
 
 # -- umount and cachefs-ctl on things that are not cachefs mounts ------------------------------
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0"])
+def test_umount_refuses_a_timeout_that_is_no_positive_number(env, value):
+    """It unmounted, then said the daemon 'did not finish within -1 s' (a helper)."""
+    res = run([*CACHEFS, "umount", "--timeout", value, str(env.mnt)])
+    assert_sentence(res, "--timeout needs a positive number")
+
 
 def test_umount_of_a_plain_directory(env):
     res = run([*CACHEFS, "umount", str(env.mnt)])
