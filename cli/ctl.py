@@ -140,6 +140,10 @@ def parse_duration(text: str) -> float:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Fetch the history of the last --window and draw it (cli/plot.py) into --plot."""
+    if not args.plot.strip() or os.path.isdir(args.plot):
+        raise UserError(f"--plot needs a file name such as history.png (got {args.plot!r}).")
+    if not os.path.splitext(args.plot)[1]:
+        args.plot += ".png"             # what matplotlib writes for a name without a type
     if args.watch is not None:
         raise UserError("--plot draws once; it does not go with --watch.")
     window_s = parse_duration(args.window or "1h")

@@ -79,6 +79,11 @@ def test_windows_history_and_plot(make_mount, tmp_path):
     assert res.returncode == 0, res.stderr
     assert '"step_s": 60' in res.stdout and day.read_bytes()[:8] == PNG_SIGNATURE
 
+    bare = tmp_path / "noext"                  # matplotlib adds .png: the message says so
+    res = _ctl("stats", str(m.mnt), "--plot", str(bare))
+    assert res.returncode == 0 and res.stdout.startswith(f"wrote {bare}.png ("), res
+    assert (tmp_path / "noext.png").read_bytes()[:8] == PNG_SIGNATURE
+
 
 @pytest.mark.parametrize("args, sentence", [
     (["--plot", "x.png", "--window", "5x"],
@@ -87,6 +92,8 @@ def test_windows_history_and_plot(make_mount, tmp_path):
      "--window takes a duration from 1s to 1d like 30s, 10m, 1h or 1d, not '2d'."),
     (["--window", "5m"], "--window is the span of a --plot; give --plot FILE.png with it."),
     (["--plot", "x.png", "--watch", "1"], "--plot draws once; it does not go with --watch."),
+    (["--plot", ""], "--plot needs a file name such as history.png (got '')."),
+    (["--plot", "."], "--plot needs a file name such as history.png (got '.')."),
 ])
 def test_plot_mistakes(make_mount, tmp_path, args, sentence):
     m = make_mount("--mode", "write-through")
