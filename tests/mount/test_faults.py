@@ -166,6 +166,19 @@ def test_destaging_gets_through_a_backing_failing_a_few_per_cent_of_writes(make_
     m.stop()                                # before slowfs goes
 
 
+def fsynced_file(m, name: str, size: int) -> bytes:
+    """A new file of random bytes written and fsynced through mount `m` (write-back: dirty
+    on the SSD, durable); returns its bytes."""
+    data = os.urandom(size)
+    fd = os.open(m.path(name), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return data
+
+
 def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mount,
                                                                         slow_backing):
     """Write-back: the destager is in a BACKING call when BACKING hangs, and the mount is
@@ -175,13 +188,7 @@ def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mou
     src, slow, sf = slow_backing
     m = make_mount("--mode", "write-back", "--backing-timeout", "1.5", "--max-dirty-age", "1",
                    backing=slow)
-    data = os.urandom(256 << 10)
-    fd = os.open(m.path("new"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    data = fsynced_file(m, "new", 256 << 10)
     sf.set(hang=1)
     try:
         time.sleep(2.5)                          # the destager's pass is in BACKING now
@@ -214,13 +221,7 @@ def test_umount_flush_gives_up_on_a_hung_backing(make_mount, slow_backing):
     src, slow, sf = slow_backing
     m = make_mount("--mode", "write-back", "--backing-timeout", "1.5", "--max-dirty-age", "600",
                    backing=slow)
-    data = os.urandom(256 << 10)
-    fd = os.open(m.path("new"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    data = fsynced_file(m, "new", 256 << 10)
     sf.set(hang=1)
     try:
         t0 = time.monotonic()
