@@ -144,6 +144,8 @@ def _run_foreground(cfg) -> int:
 def cmd_umount(args: argparse.Namespace) -> int:
     if not 0 < args.timeout < float("inf"):             # (NaN too)
         raise UserError("--timeout needs a positive number of seconds.")
+    if not args.mountpoint.strip():                     # ("" would be the current directory)
+        raise UserError("MOUNTPOINT is empty; give the mount's directory.")
     mountpoint = mounttable.resolve(args.mountpoint)     # (no stat: BACKING may hang)
     if not _is_cachefs_mount(mountpoint):
         raise UserError(f"{mountpoint} is not a cachefs mount.")

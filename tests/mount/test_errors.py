@@ -477,6 +477,12 @@ def _enotconn(path) -> bool:
 
 # -- umount and cachefs-ctl on things that are not cachefs mounts ------------------------------
 
+def test_umount_of_an_empty_name_is_refused(env):
+    """`cachefs umount ""` acted on the current directory (a helper's CLI hunt)."""
+    res = run([*CACHEFS, "umount", ""], cwd=env.mnt)
+    assert_sentence(res, "MOUNTPOINT is empty")
+
+
 @pytest.mark.parametrize("value", ["nan", "-1", "0"])
 def test_umount_refuses_a_timeout_that_is_no_positive_number(env, value):
     """It unmounted, then said the daemon 'did not finish within -1 s' (a helper)."""
