@@ -371,13 +371,15 @@ class Cache:
             for cf in held:
                 cf.meta_inflight -= 1
 
-    def times_guard(self, ino: int, mtime_set: bool):
-        """Held around a setattr; `mtime_set`: it sets times (utime). Write-back, a file
-        with dirty data: its lock, so that the change does not reach BACKING during a destage
-        pass, whose data write and utime (the last write's time) would replace it; before
-        or after a pass, times_set keeps it for the next pass or BACKING holds it."""
+    def destage_guard(self, ino: int, needed: bool):
+        """Held around a change BACKING takes at once that a destage pass would undo (times
+        set by utime, whose data write and utime put the last write's time back; a
+        capability, which its data write drops); `needed`: the change is such a one.
+        Write-back, a file with dirty data: its lock, so that the change does not reach
+        BACKING during a pass; before or after one, times_set / caps_set keep it for the
+        next pass, or BACKING holds it."""
         cf = self.files.get(ino)
-        if mtime_set and self.write_back and cf is not None and cf.dirty_exts:
+        if needed and self.write_back and cf is not None and cf.dirty_exts:
             return self.state.file_lock(cf)
         return contextlib.nullcontext()
 

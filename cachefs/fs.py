@@ -91,7 +91,7 @@ class Operations(pyfuse3.Operations):
         self._attrs = Attributes(cfg, cache)
         self._attr = self._attrs.of
         self._next_fh = 1
-        self._fds = Handles(cache.namespace, cache.write_back)         # open handles and their BACKING fds
+        self._fds = Handles(cache.namespace, cache.write_back)   # open handles, BACKING fds
         self._modes = cache.modes                   # how each open is answered
         self._modes.bind(Kernel(hasattr(pyfuse3, "passthrough_open"),
                                 getattr(pyfuse3, "passthrough_open", None),
@@ -255,8 +255,8 @@ class Operations(pyfuse3.Operations):
         # same, so such a write drops the setuid bits too: see docs/operations.md.)
         touch = not (fields.update_size or mode is not None or uid != -1 or gid != -1
                      or times is not None)
-        async with self._cache.times_guard(inode, bool(fields.update_mtime
-                                                       or fields.update_atime)):
+        async with self._cache.destage_guard(inode, bool(fields.update_mtime
+                                                         or fields.update_atime)):
             with self._cache.changing(inode):
                 st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch,
                                             None if inode == ROOT_INODE else inode)
@@ -704,7 +704,7 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EPERM)
         caps = name == CAPS_XATTR
         try:
-            async with self._cache.times_guard(inode, caps):     # not during a destage pass
+            async with self._cache.destage_guard(inode, caps):   # not during a destage pass
                 await self._xattr_call(
                     inode, lambda path, fd: self._ns.setxattr(path, fd, name, value, inode))
                 if caps and self._cache.caps_set(inode, value):
@@ -718,7 +718,7 @@ class Operations(pyfuse3.Operations):
     async def removexattr(self, inode, name, ctx):
         caps = name == CAPS_XATTR
         try:
-            async with self._cache.times_guard(inode, caps):     # not during a destage pass
+            async with self._cache.destage_guard(inode, caps):   # not during a destage pass
                 await self._xattr_call(
                     inode, lambda path, fd: self._ns.removexattr(path, fd, name, inode))
                 if caps:
