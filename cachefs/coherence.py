@@ -76,6 +76,7 @@ class Coherence:
             cf.identity = ident
             self._s.persist_identity(cf)
             return True
+        self._s.mapping_wins(cf, "a change of BACKING")     # write-back: its data wins
         if cf.dirty_exts:
             self._conflict(cf, ident)
             cf.identity = ident

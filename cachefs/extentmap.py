@@ -251,6 +251,9 @@ class ExtentMap:
                                  f"({x.valid:#x})")
         x.summed &= x.valid
         x.xsum = None                           # taken again at the next whole-extent read
+        held = cf.held
+        if held is not None and held.voided is not None:
+            held.voided.add(x.ext)              # its baseline no longer holds (sync_back)
         if x.bad:
             x.bad &= x.dirty                    # truncated or cleaned away: no longer lost
             if x.bad:

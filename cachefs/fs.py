@@ -411,7 +411,9 @@ class Operations(pyfuse3.Operations):
         if getattr(ctx, "kill_suidgid", False):         # O_TRUNC by a caller w/o CAP_FSETID
             await self._kill_suidgid(of)
         answer = self._modes.answer(of, keep)
-        if answer.durable:              # before the kernel lets the caller map the file
+        if answer.mappable is not None:     # before the kernel lets the caller map the file
+            await self._modes.mappable(answer)
+        if answer.durable:
             await self._cache.persist(durable=True)
         return _file_info(answer)
 

@@ -4,7 +4,7 @@ order, and a shared writable mapping may change it behind the engine's back.
 
 Owns `HeldWrites`, the base of writepath.WritePath: these methods use its state (the
 engine's parts, set by WritePath.__init__), and WritePath's own paths call them for held
-files (`_write_through_held`, `_write_around_held`, `_mirror`); openmode calls `dirty_all`
+files (`_write_through_held`, `_write_around_held`, `_mirror`); openmode calls `may_be_mapped`
 and `sync_back`.
 """
 
@@ -14,11 +14,15 @@ import errno
 import logging
 import os
 
+import trio
+import xxhash
+
 from . import backingpaths as bp
 from .cachefiles import pwrite_all
 from .extentmap import spans
 from .config import BLK_SIZE, EXT_SIZE
-from .extents import EXT_SHIFT, CachedFile, covered_mask
+from .extents import (BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, covered_mask, popcount,
+                      runs)
 from .hit import OpenFile
 from .room import NO_SPACE
 from .state import MAPPED
@@ -28,6 +32,9 @@ log = logging.getLogger("cachefs.writepath")
 _ZEROS = bytes(EXT_SIZE)
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+BASELINE_MAX_BYTES = 1 << 30    # a larger file's blocks all count as changed (take_baseline)
+_digest = xxhash.xxh3_128_digest   # 2^-128 that a changed block looks unchanged
+_NO_DIGEST = bytes(16)
 
 
 class HeldWrites:
@@ -181,54 +188,110 @@ class HeldWrites:
         self._s.persist_identity(cf)
         return cf.held.mapped_writable
 
-    def dirty_all(self, of: OpenFile | None, why: str) -> None:
-        """A shared writable mapping of a held file's cache file may change any block: the
-        blocks' checksums are unknown until it is gone (sync_back). Write-back: every cached
-        block counts as written (dirty), so the destager copies the cache file's bytes to
-        BACKING; write-through copies at the end (sync_back). In both modes a mark (MAPPED,
-        to be durable before the open is answered: Answer.durable) makes a mount after a
-        crash take the whole file as dirty: the mapping may have written it since any
-        destage."""
-        cf = of.cfile if of is not None else None
-        if cf is None:
-            return
+    def may_be_mapped(self, of: OpenFile) -> None:
+        """An O_RDWR open of a held file has its cache file as backing file: a shared
+        writable mapping of it may change any block behind the engine's back until it is
+        gone (sync_back). A mark (MAPPED, durable before the open is answered) makes a mount
+        after a crash take the whole file as written; the blocks' checksums are unknown
+        meanwhile; the open is answered once take_baseline has read what BACKING has."""
+        cf = of.cfile
+        h = cf.held
         self.store.queue_meta(f"{MAPPED}{cf.ino}", "1")
         for x in list(cf.extents.values()):
             self._s.map.unsummed(cf, x, known=False)
-        if not self.write_back:
+        h.baseline, h.voided, h.baseline_ready = None, set(), trio.Event()
+        if self.write_back and cf.wb_fd < 0:
+            cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
+
+    async def take_baseline(self, cf: CachedFile) -> None:
+        """The 128-bit digests of the clean blocks of a file a mapping may now write (their
+        bytes are BACKING's), read in a thread before the open is answered: what sync_back
+        compares with. Extents the engine changes meanwhile are voided (Held.voided). Not
+        for files over BASELINE_MAX_BYTES (every block then counts as changed)."""
+        h = cf.held
+        if cf.size > BASELINE_MAX_BYTES:
             return
-        self._s.dirty_whole(cf, journal=True)
-        if cf.wb_fd < 0 and of is not None and of.flags & os.O_ACCMODE != os.O_RDONLY:
-            cf.wb_fd = os.dup(of.backing_fd)
-        self.stats.passthrough_syncs += 1
-        log.info("inode %d: all %d cached extents made dirty (%s may write its cache file "
-                 "through a shared mapping)", cf.ino, len(cf.extents), why)
+        want = [(x, x.valid & ~x.dirty) for x in cf.extents.values() if x.valid & ~x.dirty]
+        try:
+            digests = await trio.to_thread.run_sync(
+                block_digests, self.cachefiles.path(cf.ino), [(x.ext, m) for x, m in want])
+        except OSError as exc:
+            log.info("inode %d: its cache file could not be read (%s): every block counts as "
+                     "written when its mappings are gone", cf.ino, exc)
+            return
+        if h.voided is None:                # let go of or replaced meanwhile
+            return
+        h.baseline = {x.ext: (x, m, digests[x.ext]) for x, m in want
+                      if x.ext in digests and cf.extents.get(x.ext) is x}
 
     async def sync_back(self, cf: CachedFile) -> None:
-        """The end of a held file a shared writable mapping may have changed: write-back
-        makes its blocks dirty again; write-through copies the cache file to BACKING."""
-        self.stats.passthrough_syncs += 1
-        for x in list(cf.extents.values()):
+        """The end of a held file a shared writable mapping may have changed: the clean
+        blocks whose bytes differ from the baseline taken at the O_RDWR open, or that have
+        none (the engine changed their extent since, a file too large for one), turn dirty
+        (write-back) or are copied to BACKING (write-through). An open that wrote nothing
+        through a mapping costs a read of the cache file and nothing on BACKING."""
+        h = cf.held
+        base, voided = h.baseline or {}, h.voided or set()
+        h.baseline = h.voided = None
+        todo = [(x, x.valid & ~x.dirty) for x in cf.extents.values() if x.valid & ~x.dirty]
+        check = [(x.ext, base[x.ext][1] & m) for x, m in todo
+                 if x.ext in base and x.ext not in voided and base[x.ext][0] is x]
+        try:
+            now = await trio.to_thread.run_sync(block_digests, self.cachefiles.path(cf.ino),
+                                                check) if check else {}
+        except OSError:
+            now = {}                            # every block counts as changed
+        changed: list[tuple[int, int]] = []     # (extent, blocks) that may differ from BACKING
+        for x, m in todo:
+            if cf.extents.get(x.ext) is not x:
+                continue                        # gone meanwhile (a truncate): nothing to copy
             self._s.map.unsummed(cf, x, known=True)     # as the mapping left them
+            m &= x.valid & ~x.dirty
+            if x.ext in now:
+                m &= ~same_blocks(base[x.ext][2], now[x.ext], base[x.ext][1] & m)
+            if m:
+                changed.append((x.ext, m))
+        self.stats.passthrough_syncs += 1
+        nbytes = sum(popcount(m) for _, m in changed) * BLK_SIZE
         if self.write_back:
-            self._s.dirty_whole(cf, journal=True)
+            for e, m in changed:
+                x = cf.extents[e]
+                self.persister.journal_dirtying(x.key)
+                self._s.map.write(cf, x, m, changed=False)
             self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # with the dirty marks
+            log.info("inode %d: %d bytes in %d extents written through a shared mapping "
+                     "are dirty", cf.ino, nbytes, len(changed))
             return
+        try:
+            await self._copy_changed(cf, changed, nbytes)
+        except OSError:
+            if h.voided is not None:            # a new O_RDWR open's baseline must not
+                h.voided.update(e for e, _ in changed)  # vouch for what BACKING lacks
+            raise
+
+    async def _copy_changed(self, cf: CachedFile, changed: list[tuple[int, int]],
+                            nbytes: int) -> None:
         async with self._s.file_lock(cf):
-            size = cf.size
+            spans_ = [(start, min(end, cf.size)) for start, end in byte_runs(changed)
+                      if start < cf.size]
+            if not spans_:
+                self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # nothing for BACKING
+                log.info("inode %d: a shared mapping changed nothing BACKING lacks", cf.ino)
+                return
             cf.writes_inflight += 1
             try:
                 st = await self.backing.write_call(_copy_back, self.cachefiles.path(cf.ino),
-                                                   self.backing.root_fd, cf.path, cf.ino, size)
+                                                   self.backing.root_fd, cf.path, cf.ino,
+                                                   spans_)
             finally:
                 cf.writes_inflight -= 1
             self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # BACKING has it (or no file)
             if st is not None:
                 self._c.own_change(cf, st, size_exact=False)
                 self.stats.backing_write_ops += 1
-                self.stats.backing_write_bytes += size
-                log.info("inode %d: cache file copied to BACKING (%d bytes): a shared "
-                         "mapping of it may have written it", cf.ino, size)
+                self.stats.backing_write_bytes += nbytes
+                log.info("inode %d: %d bytes a shared mapping wrote copied to BACKING",
+                         cf.ino, nbytes)
 
     async def _write_around_held(self, of: OpenFile, off: int, data: bytes) -> int:
         """_write_around for a held file (its lock held): BACKING, then the cache file, in
@@ -241,11 +304,11 @@ class HeldWrites:
         return written
 
 
-def _copy_back(cache_path: str, root: int, path: bytes | None, ino: int, size: int
-               ) -> os.stat_result | None:
-    """Copy a cache file's first `size` bytes over BACKING's file `ino` (at `path`, or found
-    where it went: never another file that took its name) in a thread; its stat, or None if
-    either file is gone."""
+def _copy_back(cache_path: str, root: int, path: bytes | None, ino: int,
+               spans_: list[tuple[int, int]]) -> os.stat_result | None:
+    """Copy the byte ranges `spans_` of a cache file over BACKING's file `ino` (at `path`,
+    or found where it went: never another file that took its name) in a thread; its stat,
+    or None if either file is gone."""
     try:
         cfd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -255,16 +318,57 @@ def _copy_back(cache_path: str, root: int, path: bytes | None, ino: int, size: i
         if bfd < 0:
             return None
         try:
-            off = 0
-            while off < size:
-                chunk = os.pread(cfd, min(1 << 20, size - off), off)
-                if not chunk:
-                    break
-                pwrite_all(bfd, chunk, off)
-                off += len(chunk)
+            for off, end in spans_:
+                while off < end:
+                    chunk = os.pread(cfd, min(1 << 20, end - off), off)
+                    if not chunk:
+                        break
+                    pwrite_all(bfd, chunk, off)
+                    off += len(chunk)
             os.fsync(bfd)
             return os.fstat(bfd)
         finally:
             os.close(bfd)
     finally:
         os.close(cfd)
+
+
+def block_digests(cache_path: str, want: list[tuple[int, int]]) -> dict[int, bytes]:
+    """The 128-bit digests of blocks `mask` of each extent in `want` [(extent, mask)] of a
+    cache file (in a thread): extent -> 16 digests of 16 bytes (zeros where not asked)."""
+    out: dict[int, bytes] = {}
+    fd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for e, mask in want:
+            data = memoryview(os.pread(fd, EXT_SIZE, e << EXT_SHIFT))
+            if len(data) < EXT_SIZE:
+                data = memoryview(bytes(data) + bytes(EXT_SIZE - len(data)))
+            out[e] = b"".join(_digest(data[b << BLK_SHIFT:(b + 1) << BLK_SHIFT])
+                              if mask >> b & 1 else _NO_DIGEST for b in range(BLKS_PER_EXT))
+    finally:
+        os.close(fd)
+    return out
+
+
+def same_blocks(before: bytes, after: bytes, mask: int) -> int:
+    """Blocks of `mask` whose digests in `before` and `after` (block_digests) are equal."""
+    same = 0
+    for b in range(BLKS_PER_EXT):
+        if mask >> b & 1 and before[16 * b:16 * b + 16] == after[16 * b:16 * b + 16]:
+            same |= 1 << b
+    return same
+
+
+def byte_runs(changed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[(start, end)] byte ranges of the blocks `changed` [(extent, mask)], adjacent ones
+    merged."""
+    out: list[tuple[int, int]] = []
+    for e, m in sorted(changed):
+        base = e << EXT_SHIFT
+        for b0, b1 in runs(m):
+            start, end = base + (b0 << BLK_SHIFT), base + (b1 << BLK_SHIFT)
+            if out and out[-1][1] == start:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((start, end))
+    return out

@@ -76,6 +76,12 @@ class Held:
     writers: int = 0            # O_RDWR opens answered JOINED (they can map it writable)
     generation: int = 0         # bumped at every open: a check that began before is void
     sync_failed: bool = False   # copying a mapping's writes to BACKING failed (logged once)
+    # While mapped_writable (heldwrites.may_be_mapped, sync_back): extent -> (Extent, blocks,
+    # their 128-bit digests at the O_RDWR open); the extents the engine changed since
+    # (ExtentMap._changed adds them); set once the baseline is taken (opens wait for it).
+    baseline: dict | None = None
+    voided: set | None = None
+    baseline_ready: trio.Event | None = None
 
 
 @dataclass
@@ -86,6 +92,8 @@ class Answer:
     keep_cache: bool
     backing_id: int = 0       # the cache file registered for passthrough; 0: none
     durable: bool = False     # the engine's metadata must be durable before the answer
+    mappable: Held | None = None    # an O_RDWR open that may map the cache file: answered
+    take_baseline: bool = False     # once its baseline is taken (by this open if True)
 
 
 class Kernel:
@@ -207,6 +215,7 @@ class OpenModes:
                     elif not h.current:         # mappings of a detached file may remain:
                         h.current = True        # they keep it; this is the new one
                         h.mapped_writable = False
+                        h.baseline = h.voided = None
                     h.backing_id = bid
                     return self._passthrough(of, h, PASSTHROUGH, "fully cached, read-only")
                 why = "the kernel refused the cache file"
@@ -291,7 +300,8 @@ class OpenModes:
 
     def _passthrough(self, of: OpenFile, h: Held, mode: str, why: str) -> Answer:
         of.mode = mode
-        durable = False
+        durable = take = False
+        mappable = None
         h.opens += 1
         h.generation += 1
         if mode == PASSTHROUGH:
@@ -302,15 +312,29 @@ class OpenModes:
                 self._page_cache_stale.add(of.ino)
                 if of.flags & os.O_ACCMODE == os.O_RDWR:
                     h.writers += 1
-                if of.flags & os.O_ACCMODE == os.O_RDWR and not h.mapped_writable and \
-                        h.current:
-                    h.mapped_writable = True
-                    self._writes.dirty_all(of, "an O_RDWR open of a file in passthrough")
-                    durable = True
+                if of.flags & os.O_ACCMODE == os.O_RDWR and h.current:
+                    # It may map the cache file: answered once the file's mark is durable
+                    # and its baseline taken (by the first such open; the others wait).
+                    if not h.mapped_writable:
+                        h.mapped_writable = take = True
+                        self._writes.may_be_mapped(of)
+                    durable, mappable = True, h
         if self._debug:
             log.debug("open ino %d fh %d: %s, backing id %d (%s)", of.ino, of.fh, mode,
                       h.backing_id, why)
-        return Answer(of.fh, mode == JOINED, False, h.backing_id, durable)
+        return Answer(of.fh, mode == JOINED, False, h.backing_id, durable, mappable, take)
+
+    async def mappable(self, answer: Answer) -> None:
+        """Before an open that may map a held file's cache file is answered: its baseline
+        (heldwrites.take_baseline) is taken, by the first such open; the others wait."""
+        h = answer.mappable
+        if answer.take_baseline:
+            try:
+                await self._writes.take_baseline(h.cf)
+            finally:
+                h.baseline_ready.set()      # (cancelled: no baseline, all counts as changed)
+        elif h.baseline_ready is not None:
+            await h.baseline_ready.wait()
 
     def release(self, of: OpenFile) -> None:
         """A handle is released (in the release handler: the backing id can be closed)."""
@@ -397,7 +421,12 @@ class OpenModes:
         have written and that no O_RDWR open or mapping holds any more: what it wrote goes to
         BACKING (write-through) or turns dirty (write-back). A flush does this first, so
         that it destages the mapping's bytes, and so does the unmount (a file still mapped
-        then, after a lazy unmount, keeps its mark: the next mount takes it as written)."""
+        then, after a lazy unmount, keeps its mark: the next mount takes it as written).
+        In write-back a file an O_RDWR open still has (a mapping may be writing it now) is
+        made dirty whole, so that the flush destages what its mapping wrote so far."""
+        for h in self.held.values():
+            if h.mapped_writable and h.writers and h.current:
+                self._s.mapping_wins(h.cf, "a flush")
         wrote = {ino: h.generation for ino, h in self.held.items()
                  if h.mapped_writable and not h.writers}
         if not wrote:

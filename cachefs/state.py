@@ -182,6 +182,18 @@ class CacheState:
                     self.persister.journal_dirtying(x.key)
                 self.map.write(cf, x, m, changed=False)
 
+    def mapping_wins(self, cf: CachedFile, why: str) -> None:
+        """Write-back: a file a shared mapping may be writing now (openmode.Held) meets a
+        change of BACKING or a flush: every cached block counts as written (dirty), as the
+        dirty data of writes does (the newest data: it overwrites BACKING's). What the
+        mapping writes later is taken when it is gone (heldwrites.sync_back)."""
+        if not self.write_back or cf.held is None or not cf.held.mapped_writable:
+            return
+        self.dirty_whole(cf, journal=True)
+        self.stats.passthrough_syncs += 1
+        log.info("inode %d: all %d cached extents made dirty (%s while a shared mapping may "
+                 "write its cache file)", cf.ino, len(cf.extents), why)
+
     def written_now(self, cf: CachedFile) -> None:
         """Write-back: a write (or truncate) of `cf` was taken now: the mtime BACKING gets
         after the destage is this one. The fine clock, as `touch` through the mount sets

@@ -221,6 +221,7 @@ def test_a_mapped_write_reaches_backing_while_a_reader_still_holds_the_file(pt_m
     m = pt_mount
     data, r = held_file(m, "mm")
     try:
+        syncs = m.stats()["passthrough_syncs"]
         w = os.open(m.path("mm"), os.O_RDWR)
         try:
             with mmap.mmap(w, 0) as mp:
@@ -230,8 +231,8 @@ def test_a_mapped_write_reaches_backing_while_a_reader_still_holds_the_file(pt_m
                 mp.flush()
         finally:
             os.close(w)
+        wait_until(lambda: m.stats()["passthrough_syncs"] > syncs, 10, what="the settle")
         if mode == "write-back":
-            wait_until(lambda: m.stats()["dirty_bytes"] >= len(data), 10, what="dirty")
             ctl_flush(m)
         wait_until(lambda: (m.backing / "mm").read_bytes() == data, 10, what="BACKING")
         assert m.stats()["passthrough_held_files"] == 1          # the reader holds it
@@ -239,13 +240,14 @@ def test_a_mapped_write_reaches_backing_while_a_reader_still_holds_the_file(pt_m
         # a second writer maps it again: its writes are taken again at its end
         w = os.open(m.path("mm"), os.O_RDWR)
         try:
+            syncs = m.stats()["passthrough_syncs"]
             with mmap.mmap(w, 0) as mp:
                 mp[0:100] = b"x" * 100
                 data[0:100] = b"x" * 100
         finally:
             os.close(w)
+        wait_until(lambda: m.stats()["passthrough_syncs"] > syncs, 10, what="the settle")
         if mode == "write-back":
-            wait_until(lambda: m.stats()["dirty_bytes"] >= len(data), 10, what="dirty")
             ctl_flush(m)
         wait_until(lambda: (m.backing / "mm").read_bytes() == data, 10, what="BACKING again")
         assert pread_all(r, len(data)) == data
