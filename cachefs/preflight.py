@@ -24,6 +24,7 @@ from .errors import UserError
 log = logging.getLogger("cachefs")
 
 MIN_FREE_FRACTION = 0.10
+DEAD_CHECK_S = 2.0          # how long a mount's daemon may take to answer a statfs
 
 
 def _inside(path: str, parent: str) -> bool:
@@ -53,8 +54,16 @@ def check_paths(cfg: Config) -> None:
         if not os.path.isdir(path):
             raise UserError(f"{what} {path} is not a directory.")
     if os.path.ismount(cfg.mountpoint) and _is_fuse_mount(cfg.mountpoint):
-        raise UserError(f"MOUNTPOINT {cfg.mountpoint} is already mounted "
-                        "(unmount it first with cachefs umount).")
+        # A stat of a mount's root is answered from the kernel's attribute cache for up to
+        # --attr-timeout after its daemon died (a restart right after a crash met "already
+        # mounted"); a statfs always asks the daemon.
+        if not _not_connected(cfg.mountpoint):
+            raise UserError(f"MOUNTPOINT {cfg.mountpoint} is already mounted "
+                            "(unmount it first with cachefs umount).")
+        if not _clear_dead(cfg.mountpoint):
+            raise UserError(f"MOUNTPOINT {cfg.mountpoint} is a dead FUSE mount (transport "
+                            "endpoint is not connected); run fusermount3 -u "
+                            f"{cfg.mountpoint} first.")
     if _inside(cfg.backing, cfg.mountpoint) or _inside(cfg.mountpoint, cfg.backing):
         raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
                         "contain each other.")
@@ -119,6 +128,30 @@ def _answers_within(backing: str, timeout_s: float) -> None:
             raise UserError(f"BACKING {backing} does not answer: a stat of it did not "
                             f"finish within {timeout_s:g} s (--backing-timeout); mount "
                             "again once its server answers.")
+        time.sleep(0.005)
+
+
+def _not_connected(path: str, timeout_s: float = DEAD_CHECK_S) -> bool:
+    """Whether the FUSE mount on `path` has lost its daemon (a statfs fails with ENOTCONN),
+    asked in a child process: a live daemon that cannot answer (its BACKING hangs) counts as
+    alive after `timeout_s`."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.statvfs(path)
+        except OSError as exc:
+            os._exit(1 if exc.errno == errno.ENOTCONN else 0)
+        except BaseException:
+            pass
+        os._exit(0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 1
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)     # it goes when the daemon answers
+            return False
         time.sleep(0.005)
 
 

@@ -467,6 +467,24 @@ def test_dead_mount(make_mount, env):
     assert not is_mounted(m.mnt)
 
 
+def test_a_mount_right_after_the_daemon_died_clears_the_dead_mount(env):
+    """The kernel answers a stat of a mount's root from its attribute cache for up to
+    --attr-timeout after the daemon died: `cachefs mount` right after a crash (systemd's
+    restart, a script) said "already mounted" and exited 2 (a helper's database hunt)."""
+    res = env.mount("--attr-timeout", "60")
+    assert res.returncode == 0, res.stderr
+    os.stat(env.mnt)                                    # the root's attributes are cached
+    os.kill(_lock_pid(env.cache), 9)
+    wait_until(lambda: _enotconn(env.mnt), 10, what="the dead mount")
+    os.stat(env.mnt)                                    # still answered by the kernel
+    res = env.mount("--attr-timeout", "60")
+    assert res.returncode == 0, res.stderr
+    assert "was a dead cachefs mount" in res.stderr + (env.cache / "cachefs.log").read_text()
+    assert os.listdir(env.mnt) is not None
+    assert run([*CACHEFS, "umount", str(env.mnt)]).returncode == 0
+    env.assert_nothing_left()
+
+
 def _enotconn(path) -> bool:
     try:
         os.listdir(path)
