@@ -464,8 +464,12 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def write(self, fh, off, buf, kill_suidgid=False):
         of = self._open[fh]
-        if kill_suidgid:                    # by a caller without CAP_FSETID (KILLPRIV_V2)
-            await self._kill_suidgid(of)
+        if kill_suidgid and await self._kill_suidgid(of) is not None:
+            # By a caller without CAP_FSETID (KILLPRIV_V2). A buffered write's kill came in
+            # a setattr, whose reply gave the kernel the new mode; an O_DIRECT write's comes
+            # in the write: the kernel's cached mode is stale (`stat -c %A` showed the bits
+            # for --attr-timeout: xfstests generic/355).
+            await trio.to_thread.run_sync(_invalidate_attrs, of.ino)
         if not self._ns.caps_absent(of.ino) and await self._ns.kill_caps(of.ino, of.backing_fd):
             self._cache.own_metadata_change(of.ino, None)   # only BACKING's ctime moved
         if of.cfile.caps is not None:       # a write drops it: no destage puts it back
@@ -729,6 +733,13 @@ class Operations(pyfuse3.Operations):
             self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
         self._cache.backing_changed(inode)
+
+
+def _invalidate_attrs(ino: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(ino, True)
+    except OSError:                     # the kernel no longer knows the inode: nothing cached
+        pass
 
 
 def _file_info(a: Answer) -> pyfuse3.FileInfo:

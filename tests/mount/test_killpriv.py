@@ -103,6 +103,26 @@ def test_a_change_by_a_user_drops_setuid_and_group_exec_setgid(make_mount, mode,
 
 @needs_killpriv
 @pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_the_mode_an_o_direct_write_drops_is_seen_at_once(make_mount, mode):
+    """An O_DIRECT write says "kill" in the write request, not in a setattr whose reply
+    would give the kernel the new mode: a statx asking for the mode alone (`stat -c %a`)
+    showed the old setuid bits until --attr-timeout (xfstests generic/355)."""
+    m = make_mount("--mode", mode, "--attr-timeout", "60")
+    p = m.path("f")
+    p.write_bytes(b"a" * 8192)
+    os.chown(p, USER, USER)
+    os.chmod(p, 0o6644)
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o6644       # cached by the kernel
+    as_user(m.mnt, "head -c 4096 /dev/zero | dd of=f bs=4096 oflag=direct conv=notrunc "
+                   "status=none")
+    shown = subprocess.run(["stat", "-c", "%a", str(p)], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert shown == "2644"
+    assert stat.S_IMODE(os.stat(m.backing / "f").st_mode) == 0o2644
+
+
+@needs_killpriv
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
 def test_root_keeps_setuid_and_chown_drops_it(make_mount, mode):
     m = make_mount("--mode", mode)
     p = m.path("tool")
