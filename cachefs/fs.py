@@ -30,12 +30,14 @@ from .hit import install_fast_hits
 from .inodes import ROOT_INODE, InodeTable
 from .integrity import Damaged
 from .namespace import CAPS as CAPS_XATTR
+from .namespace import Caller
 from .openmode import Answer, Kernel
 from .oplog import RateLimitedLog
 
 log = logging.getLogger("cachefs.fs")
 
 CONTROL_XATTR = os.fsencode(control.CONTROL_XATTR)
+ACL_ACCESS_XATTR = b"system.posix_acl_access"
 RENAME_WHITEOUT = 4             # linux/fs.h; pyfuse3 names only EXCHANGE and NOREPLACE
 
 
@@ -713,6 +715,12 @@ class Operations(pyfuse3.Operations):
             async with self._cache.destage_guard(inode, caps):   # not during a destage pass
                 await self._xattr_call(
                     inode, lambda path, fd: self._ns.setxattr(path, fd, name, value, inode))
+                if name == ACL_ACCESS_XATTR:
+                    caller = Caller(ctx.pid, ctx.uid, ctx.gid)
+                    st = await self._xattr_call(
+                        inode, lambda path, fd: self._ns.acl_kill_sgid(path, fd, caller))
+                    if st is not None:
+                        self._ns.mode_changed(inode)
                 if caps and self._cache.caps_set(inode, value):
                     await self._cache.persister.persist(durable=True)    # before the answer
         finally:

@@ -47,6 +47,33 @@ class Known:
         self._until.pop(ino, None)
 
 
+CAP_FSETID = 4
+
+
+class Caller:
+    """The credentials of the process behind a request, as far as the kernel's check of
+    a setgid bit needs them: its filesystem gid, supplementary groups and CAP_FSETID (from
+    /proc/PID/status; a process gone meanwhile: its uid and gid from the request)."""
+
+    def __init__(self, pid: int, uid: int, gid: int):
+        self.fsgid, self.groups, self.fsetid = gid, (), uid == 0
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key == "Gid":
+                        self.fsgid = int(value.split()[3])
+                    elif key == "Groups":
+                        self.groups = tuple(int(g) for g in value.split())
+                    elif key == "CapEff":
+                        self.fsetid = bool(int(value, 16) >> CAP_FSETID & 1)
+        except (OSError, ValueError, IndexError):
+            pass
+
+    def in_group_or_capable(self, gid: int) -> bool:
+        return self.fsetid or gid == self.fsgid or gid in self.groups
+
+
 class Namespace:
     def __init__(self, backing: Backing, attr_timeout_s: float = 1.0):
         self._backing = backing
@@ -142,6 +169,19 @@ class Namespace:
             self._no_sxid.add(ino)
             return None
         return await self.setattr(path, fd, stat_mod.S_IMODE(keep), -1, -1, None, False)
+
+    async def acl_kill_sgid(self, path: bytes | None, fd: int | None, caller: Caller
+                            ) -> os.stat_result | None:
+        """After an access ACL was set: drop the setgid bit where Linux would (the caller is
+        not in the node's group and lacks CAP_FSETID, as for a chmod). BACKING applied the
+        ACL with cachefs's credentials, which keep it; the kernel asks file systems to do
+        this with FUSE_SETXATTR_ACL_KILL_SGID, which pyfuse3 cannot pass on. BACKING's new
+        stat, or None if nothing was dropped."""
+        st = await (self.fstat(fd) if fd is not None else self.lstat(path))
+        if not st.st_mode & stat_mod.S_ISGID or caller.in_group_or_capable(st.st_gid):
+            return None
+        mode = stat_mod.S_IMODE(st.st_mode) & ~stat_mod.S_ISGID
+        return await self.setattr(path or b"", fd, mode, -1, -1, None, False)
 
     def caps_absent(self, ino: int) -> bool:
         """Whether `ino` is known to have no security.capability now (no BACKING call)."""

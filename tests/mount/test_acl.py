@@ -109,3 +109,33 @@ def test_acl_entries_are_enforced(mounted, tmp_path):
         answers.append(got)
     assert answers[0] == [("denied", 1, ""), ("granted", 0, "shared\n")]
     assert answers[1] == answers[0]
+
+
+@needs_acl
+def test_an_access_acl_set_by_a_user_outside_the_group_drops_setgid(mounted, tmp_path):
+    """Setting an access ACL changes the mode as a chmod does, and drops the setgid bit when
+    the caller is not in the node's group and lacks CAP_FSETID. BACKING applied the ACL with
+    the daemon's credentials and kept it (xfstests generic/375, found by a helper)."""
+    plain = tmp_path / "plain-fs"
+    plain.mkdir()
+    if not backing_has_acls(plain):
+        pytest.skip("the file system under the test's directories has no POSIX ACLs")
+    for d in [tmp_path, *tmp_path.parents][:-1]:     # pytest's directories are 0700
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
+    os.chmod(plain, 0o755)
+    os.chmod(mounted.mnt, 0o755)
+
+    def modes(top: Path) -> list[str]:
+        out = []
+        for name, group in (("f-other", 0), ("d-other", 0), ("f-own", NOBODY)):
+            node = top / name
+            node.mkdir() if name.startswith("d") else node.write_bytes(b"x")
+            os.chown(node, NOBODY, group)
+            os.chmod(node, 0o2777)
+            res = run(["setfacl", "-m", "u:0:rwx", str(node)], 0o022, as_nobody=True)
+            assert res.returncode == 0, res.stderr
+            out.append(stat.filemode(os.stat(node).st_mode))
+        return out
+    want = modes(plain)
+    assert want == ["-rwxrwxrwx", "drwxrwxrwx", "-rwxrwsrwx"]
+    assert modes(mounted.mnt) == want
