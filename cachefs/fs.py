@@ -479,6 +479,8 @@ class Operations(pyfuse3.Operations):
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)
+        if self._modes.wrote_direct(of):    # page-cache opens may have read older bytes
+            await trio.to_thread.run_sync(_invalidate_pages, of.ino)
         return n
 
     async def _kill_suidgid(self, of) -> os.stat_result | None:
@@ -741,6 +743,13 @@ class Operations(pyfuse3.Operations):
             self._ns.xattrs_changed(inode)
         self._cache.own_metadata_change(inode, None)        # only BACKING's ctime moved
         self._cache.backing_changed(inode)
+
+
+def _invalidate_pages(ino: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(ino, False)
+    except OSError:                     # the kernel no longer knows the inode: nothing cached
+        pass
 
 
 def _invalidate_attrs(ino: int) -> None:

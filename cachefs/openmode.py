@@ -141,7 +141,10 @@ class OpenModes:
         self.enabled = False                      # negotiated with the kernel (init)
         self.held: dict[int, Held] = {}
         self._plain: dict[int, int] = {}          # ino -> handles answered CACHED/DIRECT
-        self._page_cache_stale: set[int] = set()  # written while in passthrough
+        self._cached: dict[int, int] = {}         # ino -> handles answered CACHED
+        # inodes whose page cache may hold bytes older than the file's: written through a
+        # joined open (passthrough) or a direct_io one; the next page-cache open drops it
+        self._page_cache_stale: set[int] = set()
         self._fuse_dev: tuple[int, int] | None = None
         self._cache_dio: tuple[int, int] | None = None   # the cache files' O_DIRECT rules
         self._wake = trio.Event()
@@ -222,6 +225,8 @@ class OpenModes:
         direct = bool(of.flags & getattr(os, "O_DIRECT", 0))
         of.mode = DIRECT if direct else CACHED
         self._plain[of.ino] = self._plain.get(of.ino, 0) + 1
+        if not direct:
+            self._cached[of.ino] = self._cached.get(of.ino, 0) + 1
         if of.ino in self._page_cache_stale:
             self._page_cache_stale.discard(of.ino)
             keep_cache = False
@@ -336,6 +341,19 @@ class OpenModes:
         elif h.baseline_ready is not None:
             await h.baseline_ready.wait()
 
+    def wrote_direct(self, of: OpenFile) -> bool:
+        """A write through a direct_io open (O_DIRECT) is done. The kernel dropped its cached
+        pages of the range before sending it, but a buffered read of another open meanwhile
+        may have put the older bytes back (a buffered read after an AIO O_DIRECT write, with
+        readers of the file beside it, got them: xfstests generic/451). The next page-cache
+        open of the file drops them (keep_cache off); True if page-cache opens of it exist
+        now: the caller drops them before the write is answered, as a local file system's
+        O_DIRECT write does."""
+        if of.mode != DIRECT:
+            return False
+        self._page_cache_stale.add(of.ino)
+        return of.ino in self._cached
+
     def release(self, of: OpenFile) -> None:
         """A handle is released (in the release handler: the backing id can be closed)."""
         if of.mode in (PASSTHROUGH, JOINED):
@@ -350,11 +368,9 @@ class OpenModes:
                 h.backing_id = 0
                 self._wake.set()
         elif of.mode:
-            n = self._plain[of.ino] - 1
-            if n:
-                self._plain[of.ino] = n
-            else:
-                del self._plain[of.ino]
+            _count_down(self._plain, of.ino)
+            if of.mode == CACHED:
+                _count_down(self._cached, of.ino)
 
     # -- letting go ----------------------------------------------------------------------------
 
@@ -513,6 +529,14 @@ def fuse_device(real_mountpoint: str) -> tuple[int, int] | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def _count_down(counts: dict[int, int], ino: int) -> None:
+    n = counts[ino] - 1
+    if n:
+        counts[ino] = n
+    else:
+        del counts[ino]
 
 
 def _idle(h: Held) -> bool:
