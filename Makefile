@@ -26,7 +26,8 @@ install: deps
 	  || echo "make: the FUSE passthrough build failed (above); cachefs will run without passthrough."
 	@scripts=$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))'); \
 	if [ -w /usr/sbin ] && [ -x "$$scripts/mount.cachefs" ]; then \
-	  ln -sf "$$scripts/mount.cachefs" /usr/sbin/mount.cachefs; fi
+	  ln -sf "$$scripts/mount.cachefs" /usr/sbin/mount.cachefs; \
+	  ln -sf "$$scripts/mount.cachefs" /usr/sbin/mount.fuse.cachefs; fi
 
 demo: install
 	PYTHON=$(PYTHON) bash bench/demo.sh

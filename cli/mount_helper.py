@@ -1,11 +1,16 @@
 """`mount.cachefs BACKING MOUNTPOINT [-o OPTIONS]`: the helper mount(8) and fstab call.
 
     /srv/slow  /mnt/fast  cachefs  cache_dir=/ssd/cache,mode=write-back,_netdev  0 0
+
+Installed as `mount.fuse.cachefs` too: mount(8) calls that one for `-t fuse.cachefs` and
+for a remount of a mounted cachefs (`mount -o remount,ro MOUNTPOINT`), whose type in the
+mount table is fuse.cachefs.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 
 from cachefs.errors import UserError
@@ -24,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", action="store_true", help="(mount(8): verbose; ignored)")
     p.add_argument("-f", "--foreground", action="store_true")
     args = p.parse_args(argv)
+    opts = [o for arg in args.options for o in arg.split(",") if o]
+    if "remount" in opts:
+        return _remount(args.mountpoint, opts)
     try:
         cfg = config_from_args(args)
     except UserError as exc:
@@ -33,6 +41,27 @@ def main(argv: list[str] | None = None) -> int:
     if not args.foreground:
         argv2.remove("-f")
     return cli_main.main(argv2)
+
+
+# What a remount can change: the kernel's flags of the mount (cachefs's own options are
+# the daemon's, fixed until it is mounted again).
+REMOUNT_FLAGS = {"remount", "ro", "rw", "suid", "nosuid", "dev", "nodev", "exec", "noexec",
+                 "sync", "async", "dirsync", "atime", "noatime", "diratime", "nodiratime",
+                 "relatime", "norelatime", "strictatime", "nostrictatime", "lazytime",
+                 "nolazytime"}
+
+
+def _remount(mountpoint: str, opts: list[str]) -> int:
+    """`mount -o remount,ro MOUNTPOINT` of a cachefs mount: the kernel's remount (mount -i:
+    no helper again). mount.fuse3 ran `cachefs SOURCE MOUNTPOINT -o remount,...`, which
+    is no cachefs command ("cachefs: not found" and the mount stayed rw)."""
+    other = [o for o in opts if o not in REMOUNT_FLAGS and not o.startswith("_")]
+    if other:
+        print(f"mount.cachefs: {', '.join(other)} cannot change on a remount (unmount and "
+              "mount again); remounting with the rest.", file=sys.stderr)
+    flags = [o for o in opts if o in REMOUNT_FLAGS]
+    res = subprocess.run(["mount", "-i", "-o", ",".join(flags), mountpoint])
+    return res.returncode
 
 
 if __name__ == "__main__":
