@@ -228,10 +228,10 @@ class Operations(pyfuse3.Operations):
 
     async def setattr(self, inode, attr, fields, fh, ctx):
         with self._fds.borrow(inode, fh, writable=bool(fields.update_size)) as fd:
-            return await self._setattr(inode, attr, fields, fd)
+            return await self._setattr(inode, attr, fields, fd, ctx)
 
     @_errno_mapped
-    async def _setattr(self, inode, attr, fields, fd: int | None):
+    async def _setattr(self, inode, attr, fields, fd: int | None, ctx):
         try:
             path = self._inodes.path(inode)
         except OSError as exc:
@@ -262,8 +262,13 @@ class Operations(pyfuse3.Operations):
             with self._cache.changing(inode):
                 st = await self._ns.setattr(path, fd, mode, uid, gid, times, touch,
                                             None if inode == ROOT_INODE else inode)
-                if getattr(fields, "kill_suidgid", False):  # truncated, caller w/o CAP_FSETID
-                    st = await self._ns.kill_suidgid(inode, path, fd) or st
+                if getattr(fields, "kill_suidgid", False) or touch:
+                    # Truncated by a caller without CAP_FSETID; or the kernel's empty
+                    # setattr (a fallocate's removal of privileges, a chown(f, -1, -1)):
+                    # BACKING's chown by root kept the setgid bit of a file whose group the
+                    # caller is not in (xfstests generic/683).
+                    st = await self._ns.kill_suidgid(inode, path, fd,
+                                                     (ctx.pid, ctx.uid, ctx.gid)) or st
                 self._cache.own_metadata_change(inode, st,
                                                 times_set=bool(fields.update_mtime))
                 self._cache.backing_changed(inode)
@@ -409,6 +414,7 @@ class Operations(pyfuse3.Operations):
         await self._fds.wait_for_fds()
         fh = self._fh()
         of, keep = await self._cache.open(fh, inode, path, flags, named)
+        of.opener = (ctx.pid, ctx.uid, ctx.gid)
         self._fds.add(of)
         if getattr(ctx, "kill_suidgid", False):         # O_TRUNC by a caller w/o CAP_FSETID
             await self._kill_suidgid(of)
@@ -429,6 +435,7 @@ class Operations(pyfuse3.Operations):
                                           ctx.uid, ctx.gid, ctx.umask, parent,
                                           lambda st: self._inodes.remember(parent_inode,
                                                                            name, st))
+        of.opener = (ctx.pid, ctx.uid, ctx.gid)
         self._fds.add(of)
         if getattr(ctx, "kill_suidgid", False):     # it existed, O_TRUNC, no CAP_FSETID
             st = await self._kill_suidgid(of) or st
@@ -486,7 +493,7 @@ class Operations(pyfuse3.Operations):
     async def _kill_suidgid(self, of) -> os.stat_result | None:
         """Drop the setuid/setgid bits of an open file where Linux would (Namespace);
         BACKING's new stat if it had some."""
-        st = await self._ns.kill_suidgid(of.ino, b"", of.backing_fd)
+        st = await self._ns.kill_suidgid(of.ino, b"", of.backing_fd, of.opener)
         if st is not None:
             self._cache.own_metadata_change(of.ino, st)
         return st

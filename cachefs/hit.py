@@ -34,7 +34,7 @@ class OpenFile:
     """One open file handle: BACKING fd, the file's cache state and its sequential stream."""
 
     __slots__ = ("fh", "ino", "cfile", "backing_fd", "flags", "seq", "stats", "last_miss_ext",
-                 "direct_fd", "ahead", "readable", "miss_lat", "mode", "dio_align")
+                 "direct_fd", "ahead", "readable", "miss_lat", "mode", "dio_align", "opener")
 
     def __init__(self, fh: int, cfile: CachedFile, backing_fd: int, flags: int, stats: Stats):
         self.fh = fh
@@ -51,6 +51,7 @@ class OpenFile:
         self.miss_lat = stats.lat_miss  # the histogram of the last miss: miss or bypass
         self.mode = ""              # how the open was answered (openmode.py)
         self.dio_align = (0, 0)     # O_DIRECT read-only opens: BACKING's alignment rules
+        self.opener = (0, -1, -1)   # (pid, uid, gid) of the open's caller (its writes' too)
 
     def read_hit(self, off: int, size: int) -> bytes | None:
         """Serve a read from the SSD if every block is cached: sync, no await, no SQL."""

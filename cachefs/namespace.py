@@ -152,21 +152,26 @@ class Namespace:
     async def statvfs(self) -> os.statvfs_result:
         return await self._backing.read_call("statfs", bp.statvfs, self._root)
 
-    async def kill_suidgid(self, ino: int, path: bytes, fd: int | None
-                           ) -> os.stat_result | None:
-        """Drop the setuid bit, and the setgid bit of a group-executable file, as Linux does
-        for a write, truncate or O_TRUNC open by a caller without CAP_FSETID (the kernel
-        leaves it to the file system with FUSE_HANDLE_KILLPRIV_V2 and says when). Returns
-        BACKING's new stat, or None when there was nothing to drop."""
+    async def kill_suidgid(self, ino: int, path: bytes, fd: int | None,
+                           who: tuple[int, int, int]) -> os.stat_result | None:
+        """Drop the setuid bit, and the setgid bit of a group-executable file or of any file
+        whose group the caller is not in, as Linux (>= 6.2, setattr_should_drop_sgid) does
+        for a write, truncate, fallocate or O_TRUNC open by a caller without CAP_FSETID
+        (the kernel leaves it to the file system with FUSE_HANDLE_KILLPRIV_V2 and says
+        when). `who`: the caller's (pid, uid, gid). Returns BACKING's new stat, or None when
+        there was nothing to drop."""
         if ino in self._no_sxid:
             return None
         st = await (self.fstat(fd) if fd is not None else self.lstat(path))
         mode = st.st_mode
-        keep = mode & ~stat_mod.S_ISUID
-        if mode & (stat_mod.S_ISGID | stat_mod.S_IXGRP) == stat_mod.S_ISGID | stat_mod.S_IXGRP:
-            keep &= ~stat_mod.S_ISGID
-        if keep == mode or not stat_mod.S_ISREG(mode):
+        if not mode & (stat_mod.S_ISUID | stat_mod.S_ISGID) or not stat_mod.S_ISREG(mode):
             self._no_sxid.add(ino)
+            return None
+        keep = mode & ~stat_mod.S_ISUID
+        if mode & stat_mod.S_ISGID and (
+                mode & stat_mod.S_IXGRP or not Caller(*who).in_group_or_capable(st.st_gid)):
+            keep &= ~stat_mod.S_ISGID
+        if keep == mode:
             return None
         return await self.setattr(path, fd, stat_mod.S_IMODE(keep), -1, -1, None, False)
 
