@@ -76,7 +76,8 @@ class Coherence:
             cf.identity = ident
             self._s.persist_identity(cf)
             return True
-        self._s.mapping_wins(cf, "a change of BACKING")     # write-back: its data wins
+        if cf.held is not None:     # write-back: what a shared mapping wrote wins
+            self._s.mapping_wins(cf, "a change of BACKING")
         if cf.dirty_exts:
             self._conflict(cf, ident)
             cf.identity = ident

@@ -256,3 +256,34 @@ def test_a_capability_set_after_the_write_survives_a_kill_before_the_destage(mak
     assert (m.backing / "tool").read_bytes() == data
     for where in (m.path("tool"), m.backing / "tool"):
         assert os.getxattr(where, CAPS) == CAPS_VALUE, where
+
+
+@needs_killpriv
+def test_a_file_system_that_did_not_ask_gets_the_write_it_always_got(tmp_path):
+    """deps/passthrough's pyfuse3 patch passed write(..., kill_suidgid=True) for an O_DIRECT
+    write by a user to any file system, also one that never asked for KILLPRIV_V2 and whose
+    write() takes no such argument (bench/passthrough.py): the TypeError ended its main
+    loop (a helper's xfstests baseline). The flags go only to those that asked."""
+    import sys
+    from tests.conftest import force_unmount, is_mounted, wait_until
+    src, bare = tmp_path / "src", tmp_path / "bare"
+    src.mkdir()
+    bare.mkdir()
+    for d in [tmp_path, *tmp_path.parents][:-1]:     # pytest's directories are 0700
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
+    (src / "f").write_bytes(bytes(8192))
+    os.chown(src / "f", USER, USER)
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "..",
+                                                          "..", "bench", "passthrough.py"),
+                             "mount", "-f", str(src), str(bare)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: is_mounted(bare), 20, proc, "the bare passthrough")
+        os.chmod(bare, 0o777)
+        as_user(bare, "head -c 4096 /dev/zero | tr '\\0' z | dd of=f bs=4096 oflag=direct "
+                      "conv=notrunc status=none")
+        assert proc.poll() is None, "the bare passthrough ended"
+        assert (src / "f").read_bytes()[:4096] == b"z" * 4096
+    finally:
+        force_unmount(bare)
+        proc.wait(timeout=30)
