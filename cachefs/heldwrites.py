@@ -200,6 +200,7 @@ class HeldWrites:
         for x in list(cf.extents.values()):
             self._s.map.unsummed(cf, x, known=False)
         h.baseline, h.voided, h.baseline_ready = None, set(), trio.Event()
+        h.epoch += 1
         if self.write_back and cf.wb_fd < 0:
             cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
 
@@ -233,6 +234,7 @@ class HeldWrites:
         h = cf.held
         base, voided = h.baseline or {}, h.voided or set()
         h.baseline = h.voided = None
+        epoch = h.epoch
         todo = [(x, x.valid & ~x.dirty) for x in cf.extents.values() if x.valid & ~x.dirty]
         check = [(x.ext, base[x.ext][1] & m) for x, m in todo
                  if x.ext in base and x.ext not in voided and base[x.ext][0] is x]
@@ -258,24 +260,31 @@ class HeldWrites:
                 x = cf.extents[e]
                 self.persister.journal_dirtying(x.key)
                 self._s.map.write(cf, x, m, changed=False)
-            self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # with the dirty marks
+            self._unmark(cf, epoch)                             # with the dirty marks
             log.info("inode %d: %d bytes in %d extents written through a shared mapping "
                      "are dirty", cf.ino, nbytes, len(changed))
             return
         try:
-            await self._copy_changed(cf, changed, nbytes)
+            await self._copy_changed(cf, changed, nbytes, epoch)
         except OSError:
             if h.voided is not None:            # a new O_RDWR open's baseline must not
                 h.voided.update(e for e, _ in changed)  # vouch for what BACKING lacks
             raise
 
+    def _unmark(self, cf: CachedFile, epoch: int) -> None:
+        """What a mapping wrote is dirty or in BACKING: the file's mark goes, unless an
+        O_RDWR open took the file again meanwhile (its mapping needs the mark: a kill -9
+        then lost what it msync'd, a helper's hunt)."""
+        if cf.held is None or cf.held.epoch == epoch:
+            self.store.queue_meta(f"{MAPPED}{cf.ino}", None)
+
     async def _copy_changed(self, cf: CachedFile, changed: list[tuple[int, int]],
-                            nbytes: int) -> None:
+                            nbytes: int, epoch: int) -> None:
         async with self._s.file_lock(cf):
             spans_ = [(start, min(end, cf.size)) for start, end in byte_runs(changed)
                       if start < cf.size]
             if not spans_:
-                self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # nothing for BACKING
+                self._unmark(cf, epoch)                             # nothing for BACKING
                 log.info("inode %d: a shared mapping changed nothing BACKING lacks", cf.ino)
                 return
             cf.writes_inflight += 1
@@ -285,7 +294,7 @@ class HeldWrites:
                                                    spans_)
             finally:
                 cf.writes_inflight -= 1
-            self.store.queue_meta(f"{MAPPED}{cf.ino}", None)     # BACKING has it (or no file)
+            self._unmark(cf, epoch)                     # BACKING has it (or no file)
             if st is not None:
                 self._c.own_change(cf, st, size_exact=False)
                 self.stats.backing_write_ops += 1

@@ -82,6 +82,7 @@ class Held:
     baseline: dict | None = None
     voided: set | None = None
     baseline_ready: trio.Event | None = None
+    epoch: int = 0              # bumped by every O_RDWR open that takes a new baseline
 
 
 @dataclass
@@ -185,6 +186,7 @@ class OpenModes:
         h = cf.held
         readonly = of.flags & os.O_ACCMODE == os.O_RDONLY
         why = ""
+        direct = bool(of.flags & getattr(os, "O_DIRECT", 0))
         if self.enabled:
             if h is not None and h.backing_id:
                 if readonly and h.current and self._eligible(cf):
@@ -222,7 +224,6 @@ class OpenModes:
                     h.backing_id = bid
                     return self._passthrough(of, h, PASSTHROUGH, "fully cached, read-only")
                 why = "the kernel refused the cache file"
-        direct = bool(of.flags & getattr(os, "O_DIRECT", 0))
         of.mode = DIRECT if direct else CACHED
         self._plain[of.ino] = self._plain.get(of.ino, 0) + 1
         if not direct:
