@@ -419,7 +419,7 @@ def run(cfg: Config, ready: Callable[[str | None], None]) -> int:
         check_paths(cfg)
         raise_fd_limit()
         prepare_cache_dir(cfg)
-        lock_fd = lock_cache_dir(cfg.cache_dir)
+        lock_fd = lock_cache_dir(cfg.cache_dir, cfg.mountpoint)
         daemon = Daemon(cfg)
         daemon.open()
     except UserError as exc:

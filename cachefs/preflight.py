@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import resource
@@ -24,6 +25,7 @@ from .errors import UserError
 log = logging.getLogger("cachefs")
 
 MIN_FREE_FRACTION = 0.10
+LOCK_WAIT_S = 60.0          # how long a mount waits for an unmounted cachefs to save its state
 DEAD_CHECK_S = 2.0          # how long a mount's daemon may take to answer a statfs
 
 
@@ -233,19 +235,39 @@ def make_private(cache_dir: str, data_files: bool = True) -> None:
                             f"directories, 0600 for files): {exc.strerror}.") from None
 
 
-def lock_cache_dir(cache_dir: str) -> int:
-    """Take the one-instance-per-cache-dir lock; the fd stays open for the daemon's life."""
+def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
+    """Take the one-instance-per-cache-dir lock; the fd stays open for the daemon's life.
+
+    The lock file names the holder's pid and mount. A holder whose mount is gone (a plain
+    umount(8) returns before the daemon has saved its state and exited) is waited for, up
+    to LOCK_WAIT_S: `umount; mount` at once was refused ("in use by another cachefs")."""
     path = os.path.join(cache_dir, "lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise UserError(f"the cache directory {cache_dir} is in use by another cachefs "
-                        f"(pid {owner}); one instance may use a cache directory.") from None
+    deadline = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            lines = os.pread(fd, 8192, 0).decode(errors="replace").split("\n")
+            owner = lines[0].strip() or "unknown"
+            try:
+                held = json.loads(lines[1]) if len(lines) > 1 and lines[1] else None
+            except ValueError:
+                held = None
+            if held is not None and (held, "fuse.cachefs") not in mounttable.mounts():
+                if deadline is None:
+                    deadline = time.monotonic() + LOCK_WAIT_S
+                    log.warning("the cachefs that used %s (pid %s) has been unmounted and is "
+                                "still saving its state: waiting for it", cache_dir, owner)
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+            os.close(fd)
+            raise UserError(f"the cache directory {cache_dir} is in use by another cachefs "
+                            f"(pid {owner}); one instance may use a cache directory.") from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid()}\n{json.dumps(mounttable.resolve(mountpoint))}\n".encode(), 0)
     return fd
 
 

@@ -65,7 +65,7 @@ def _alive(pid: int) -> bool:
 
 def _lock_pid(cache: Path) -> int | None:
     try:
-        return int((cache / "lock").read_text().strip() or 0) or None
+        return int((cache / "lock").read_text().split("\n")[0].strip() or 0) or None
     except (OSError, ValueError):
         return None
 
@@ -747,3 +747,33 @@ def test_damage_inside_the_database_is_found_before_anything_is_written(make_mou
     m.start()
     for name in data:
         assert m.path(name).read_bytes() == (m.backing / name).read_bytes()
+
+
+def test_a_mount_right_after_a_plain_umount_waits_for_the_old_daemon(env):
+    """umount(8) returns once the kernel let go of the mount; the daemon then saves its
+    state and exits. A mount of the same cache directory at once was refused ("in use by
+    another cachefs"): `umount; mount` in scripts, xfstests, a unit's restart (a helper's
+    xfstests run: 5 refusals in 5). It waits for that daemon now."""
+    import signal
+    import threading
+    res = env.mount("--mode", "write-back", "--max-dirty-age", "600")
+    assert res.returncode == 0, res.stderr
+    data = os.urandom(1 << 20)
+    for i in range(10):
+        (env.mnt / f"f{i}").write_bytes(data)
+    old = _lock_pid(env.cache)
+    os.kill(old, signal.SIGSTOP)            # a daemon still busy saving its state
+    resume = threading.Timer(1.5, os.kill, (old, signal.SIGCONT))
+    try:
+        # (lazy: a plain umount would wait for the stopped daemon's answer to its syncfs)
+        assert subprocess.run(["umount", "-l", str(env.mnt)], timeout=30).returncode == 0
+        resume.start()
+        res = env.mount("--mode", "write-back", "--max-dirty-age", "600")
+    finally:
+        resume.cancel()
+        os.kill(old, signal.SIGCONT)
+    assert res.returncode == 0, res.stderr
+    assert not _alive(old)
+    assert (env.mnt / "f9").read_bytes() == data
+    assert run([*CACHEFS, "umount", "--flush", str(env.mnt)]).returncode == 0
+    env.assert_nothing_left()
