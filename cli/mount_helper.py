@@ -10,6 +10,7 @@ mount table is fuse.cachefs.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     opts = [o for arg in args.options for o in arg.split(",") if o]
     if "remount" in opts:
         return _remount(args.mountpoint, opts)
+    if os.geteuid() == 0:
+        # mount(8) hands a helper no default flags (dev, suid: fstab's "dev,suid" arrive
+        # as nothing), so, as mount.fuse3 does for root, they are the default here unless
+        # nodev or nosuid is asked for (a device node on an fstab mount failed with EACCES).
+        args.options += [o for o in ("dev", "suid") if "no" + o not in opts]
     try:
         cfg = config_from_args(args)
     except UserError as exc:
@@ -53,12 +59,10 @@ REMOUNT_FLAGS = {"remount", "ro", "rw", "suid", "nosuid", "dev", "nodev", "exec"
 
 def _remount(mountpoint: str, opts: list[str]) -> int:
     """`mount -o remount,ro MOUNTPOINT` of a cachefs mount: the kernel's remount (mount -i:
-    no helper again). mount.fuse3 ran `cachefs SOURCE MOUNTPOINT -o remount,...`, which
-    is no cachefs command ("cachefs: not found" and the mount stayed rw)."""
-    other = [o for o in opts if o not in REMOUNT_FLAGS and not o.startswith("_")]
-    if other:
-        print(f"mount.cachefs: {', '.join(other)} cannot change on a remount (unmount and "
-              "mount again); remounting with the rest.", file=sys.stderr)
+    no helper again) with the kernel's flags; the rest (cachefs's options, which mount(8)
+    hands over from fstab and the mount table each time) cannot change without unmounting
+    and are left as they are. mount.fuse3 ran `cachefs SOURCE MOUNTPOINT -o remount,...`,
+    which is no cachefs command ("cachefs: not found" and the mount stayed rw)."""
     flags = [o for o in opts if o in REMOUNT_FLAGS]
     res = subprocess.run(["mount", "-i", "-o", ",".join(flags), mountpoint])
     return res.returncode
