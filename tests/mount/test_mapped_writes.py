@@ -46,6 +46,15 @@ def held(make_mount, mode):
             pass
 
 
+def assert_same(got: bytes, want: bytes, what: str) -> None:
+    """Compare files of megabytes without pytest's diff of them (minutes of difflib)."""
+    if got != want:
+        first = next((i for i in range(min(len(got), len(want))) if got[i] != want[i]),
+                     min(len(got), len(want)))
+        raise AssertionError(f"{what}: {len(got)} bytes, {len(want)} expected; the first "
+                             f"difference at byte {first}")
+
+
 def settled(m, before: dict) -> dict:
     """Wait for the end of the O_RDWR open's mapping to be taken (passthrough_syncs)."""
     wait_until(lambda: m.stats()["passthrough_syncs"] > before["passthrough_syncs"], 10,
@@ -60,7 +69,7 @@ def test_an_o_rdwr_open_that_writes_nothing_costs_backing_nothing(held, mode):
     w = os.open(m.path("f"), os.O_RDWR)
     try:
         with mmap.mmap(w, 0) as mp:             # mapped writable, read only
-            assert mp[:SIZE] == data
+            assert_same(mp[:SIZE], data, "the mapping")
     finally:
         os.close(w)
     after = settled(m, before)
@@ -69,7 +78,7 @@ def test_an_o_rdwr_open_that_writes_nothing_costs_backing_nothing(held, mode):
     ctl_flush(m)
     assert m.stats()["destaged_bytes"] == before["destaged_bytes"]
     assert os.stat(m.backing / "f").st_mtime_ns == mtime
-    assert (m.backing / "f").read_bytes() == data
+    assert_same((m.backing / "f").read_bytes(), data, "BACKING")
 
 
 def test_a_mapping_that_changes_one_block_costs_one_block(held, mode):
@@ -90,8 +99,8 @@ def test_a_mapping_that_changes_one_block_costs_one_block(held, mode):
         assert m.stats()["destaged_bytes"] - before["destaged_bytes"] == BLK
     else:
         assert after["backing_write_bytes"] - before["backing_write_bytes"] == BLK
-    assert (m.backing / "f").read_bytes() == data
-    assert os.pread(r, SIZE, 0) == data
+    assert_same((m.backing / "f").read_bytes(), data, "BACKING")
+    assert_same(os.pread(r, SIZE, 0), data, "the reader")
 
 
 def test_bytes_a_mapping_puts_back_after_a_write_through_the_daemon_reach_backing(held, mode):
@@ -118,7 +127,7 @@ def test_bytes_a_mapping_puts_back_after_a_write_through_the_daemon_reach_backin
     settled(m, before)
     if mode == "write-back":
         ctl_flush(m)
-    assert (m.backing / "f").read_bytes() == data
+    assert_same((m.backing / "f").read_bytes(), data, "BACKING")
 
 
 @pytest.mark.xfail(strict=True, reason="open defect: the kernel serves every open of an "
@@ -149,7 +158,8 @@ def test_a_new_open_after_backing_changed_under_a_reader_maps_the_new_bytes(held
     wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 10, what="the release")
     if mode == "write-back":
         ctl_flush(m)
-    assert (m.backing / "f").read_bytes() == data and mapped_new
+    assert_same((m.backing / "f").read_bytes(), data, "BACKING")
+    assert mapped_new
 
 
 def test_an_o_rdwr_open_during_the_last_ones_copy_keeps_its_mark(make_mount, tmp_path):
@@ -204,4 +214,4 @@ def test_an_o_rdwr_open_during_the_last_ones_copy_keeps_its_mark(make_mount, tmp
         m.start()
         assert "was mapped shared and writable" in m.logs[-1].read_text()
         m.stop()
-    assert (src / "f").read_bytes() == data
+    assert_same((src / "f").read_bytes(), data, "BACKING")
