@@ -6,7 +6,6 @@ the older bytes back; cachefs drops them again once the write is done (openmode.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import subprocess
@@ -14,6 +13,8 @@ import sys
 import time
 
 import pytest
+
+from cachefs import aio
 
 pytestmark = pytest.mark.fuse
 
@@ -28,45 +29,7 @@ while time.time() < until:
 """ % SIZE
 
 
-class _Iocb(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32),
-                ("rw_flags", ctypes.c_uint32), ("opcode", ctypes.c_uint16),
-                ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
-                ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
-                ("offset", ctypes.c_int64), ("reserved2", ctypes.c_uint64),
-                ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
-
-
-class _Event(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
-                ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_IO_SETUP, _IO_DESTROY, _IO_GETEVENTS, _IO_SUBMIT = 206, 207, 208, 209     # x86_64
-
-
-def aio_pwrite(fd: int, buf: mmap.mmap, off: int) -> int:
-    """One asynchronous write (Linux AIO, as libaio's io_submit), waited for: the kernel's
-    path for it differs from a synchronous O_DIRECT write's."""
-    ctx = ctypes.c_ulong(0)
-    if _libc.syscall(_IO_SETUP, 1, ctypes.byref(ctx)) < 0:
-        raise OSError(ctypes.get_errno(), "io_setup")
-    try:
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        cb = _Iocb(opcode=1, fildes=fd, buf=addr, nbytes=len(buf), offset=off)
-        cbs = (ctypes.POINTER(_Iocb) * 1)(ctypes.pointer(cb))
-        if _libc.syscall(_IO_SUBMIT, ctx, 1, cbs) != 1:
-            raise OSError(ctypes.get_errno(), "io_submit")
-        ev = _Event()
-        if _libc.syscall(_IO_GETEVENTS, ctx, 1, 1, ctypes.byref(ev), None) != 1:
-            raise OSError(ctypes.get_errno(), "io_getevents")
-        return ev.res
-    finally:
-        _libc.syscall(_IO_DESTROY, ctx)
-
-
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="AIO syscall numbers of x86_64")
+@pytest.mark.skipif(not aio.AVAILABLE, reason="no Linux AIO here (cachefs/aio.py)")
 def test_a_buffered_read_after_an_o_direct_write_sees_it(make_mount, mode):
     m = make_mount("--mode", mode)
     path = m.path("f")
@@ -85,7 +48,7 @@ def test_a_buffered_read_after_an_o_direct_write_sees_it(make_mount, mode):
             buf[:] = fill
             fd = os.open(path, os.O_RDWR | os.O_DIRECT)
             try:
-                assert aio_pwrite(fd, buf, 0) == SIZE
+                aio.pwrite_all(fd, fd, [(buf, 0)])      # io_submit: the kernel's AIO path
             finally:
                 os.close(fd)
             fd = os.open(path, os.O_RDONLY)
