@@ -478,7 +478,7 @@ class Operations(pyfuse3.Operations):
             # a setattr, whose reply gave the kernel the new mode; an O_DIRECT write's comes
             # in the write: the kernel's cached mode is stale (`stat -c %A` showed the bits
             # for --attr-timeout: xfstests generic/355).
-            await trio.to_thread.run_sync(_invalidate_attrs, of.ino)
+            await trio.to_thread.run_sync(_invalidate, of.ino, True)
         if not self._ns.caps_absent(of.ino) and await self._ns.kill_caps(of.ino, of.backing_fd):
             self._cache.own_metadata_change(of.ino, None)   # only BACKING's ctime moved
         if of.cfile.caps is not None:       # a write drops it: no destage puts it back
@@ -487,7 +487,7 @@ class Operations(pyfuse3.Operations):
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)
         if self._modes.wrote_direct(of):    # page-cache opens may have read older bytes
-            await trio.to_thread.run_sync(_invalidate_pages, of.ino)
+            await trio.to_thread.run_sync(_invalidate, of.ino, False)
         return n
 
     async def _kill_suidgid(self, of) -> os.stat_result | None:
@@ -752,16 +752,11 @@ class Operations(pyfuse3.Operations):
         self._cache.backing_changed(inode)
 
 
-def _invalidate_pages(ino: int) -> None:
+def _invalidate(ino: int, attr_only: bool) -> None:
+    """Drop the kernel's cached attributes of `ino` (and its pages unless `attr_only`), in a
+    worker thread: dropping pages may need the daemon to answer the writes of dirty ones."""
     try:
-        pyfuse3.invalidate_inode(ino, False)
-    except OSError:                     # the kernel no longer knows the inode: nothing cached
-        pass
-
-
-def _invalidate_attrs(ino: int) -> None:
-    try:
-        pyfuse3.invalidate_inode(ino, True)
+        pyfuse3.invalidate_inode(ino, attr_only)
     except OSError:                     # the kernel no longer knows the inode: nothing cached
         pass
 

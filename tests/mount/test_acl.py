@@ -39,6 +39,12 @@ def backing_has_acls(path: Path) -> bool:
         probe.unlink()
 
 
+def open_to_others(path: Path) -> None:
+    """Let another user reach `path` (pytest's directories are 0700)."""
+    for d in [path, *path.parents][:-1]:
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
+
+
 def run(cmd: list[str], umask: int, as_nobody: bool = False) -> subprocess.CompletedProcess:
     def child():
         os.umask(umask)
@@ -91,8 +97,7 @@ def test_acl_entries_are_enforced(mounted, tmp_path):
     plain.mkdir()
     if not backing_has_acls(plain):
         pytest.skip("the file system under the test's directories has no POSIX ACLs")
-    for d in [tmp_path, *tmp_path.parents][:-1]:     # pytest's directories are 0700
-        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
+    open_to_others(tmp_path)
     answers = []
     for top in (plain, mounted.mnt):
         os.chmod(top, 0o755)
@@ -120,8 +125,7 @@ def test_an_access_acl_set_by_a_user_outside_the_group_drops_setgid(mounted, tmp
     plain.mkdir()
     if not backing_has_acls(plain):
         pytest.skip("the file system under the test's directories has no POSIX ACLs")
-    for d in [tmp_path, *tmp_path.parents][:-1]:     # pytest's directories are 0700
-        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
+    open_to_others(tmp_path)
     os.chmod(plain, 0o755)
     os.chmod(mounted.mnt, 0o755)
 
