@@ -87,13 +87,21 @@ class Coherence:
         if cf.identity is not None and (cf.extents or cf.fills):
             self.stats.stale_files += 1
             self.stats.drop_coherence += len(cf.extents)
+            in_place = cf.held is not None and cf.held.current and not cf.doomed
             log.info("BACKING inode %d changed behind the cache (size, mtime, ctime %s -> %s); "
-                     "dropping %d cached extents (reason: coherence)", cf.ino, cf.identity[1:],
-                     ident[1:], len(cf.extents))
-            self._s.drop_file(cf)
+                     "dropping %d cached extents (reason: coherence)%s", cf.ino,
+                     cf.identity[1:], ident[1:], len(cf.extents),
+                     "; the kernel reads its cache file in passthrough: read again from "
+                     "BACKING before the next open" if in_place else "")
+            if in_place:
+                self._s.stale_in_place(cf, st.st_size)
+            else:
+                self._s.drop_file(cf)
         cf.identity = ident
         cf.size = st.st_size
         cf.recovered = False
+        if cf.extents:                  # kept in place (a held file): the new identity
+            self._s.persist_identity(cf)    # with its blocks, all invalid now
         return False
 
     def _conflict(self, cf: CachedFile, ident: tuple[int, int, int, int]) -> None:

@@ -416,13 +416,20 @@ class Operations(pyfuse3.Operations):
         of, keep = await self._cache.open(fh, inode, path, flags, named)
         of.opener = (ctx.pid, ctx.uid, ctx.gid)
         self._fds.add(of)
-        if getattr(ctx, "kill_suidgid", False):         # O_TRUNC by a caller w/o CAP_FSETID
-            await self._kill_suidgid(of)
-        answer = self._modes.answer(of, keep)
-        if answer.mappable is not None:     # before the kernel lets the caller map the file
-            await self._modes.mappable(answer)
-        if answer.durable:
-            await self._cache.persist(durable=True)
+        try:
+            if getattr(ctx, "kill_suidgid", False):     # O_TRUNC by a caller w/o CAP_FSETID
+                await self._kill_suidgid(of)
+            answer = self._modes.answer(of, keep)
+            if answer.refresh is not None:      # its cache file is to hold BACKING's bytes
+                await self._modes.refresh(answer.refresh)
+            if answer.mappable is not None:     # before the kernel lets the caller map it
+                await self._modes.mappable(answer)
+            if answer.durable:
+                await self._cache.persist(durable=True)
+        except BaseException:
+            with trio.CancelScope(shield=True):     # no reply: no release will come
+                await self.release(fh)
+            raise
         return _file_info(answer)
 
     @_errno_mapped

@@ -210,6 +210,7 @@ class HeldWrites:
         compares with. Extents the engine changes meanwhile are voided (Held.voided). Not
         for files over BASELINE_MAX_BYTES (every block then counts as changed)."""
         h = cf.held
+        h.voided = set()        # what changed before (a refresh of the file): read below
         if cf.size > BASELINE_MAX_BYTES:
             return
         want = [(x, x.valid & ~x.dirty) for x in cf.extents.values() if x.valid & ~x.dirty]

@@ -29,8 +29,10 @@ What a held file gets (the kernel may read its cache file: passthrough opens, or
 that outlive them), from the engine:
 - its extents are protected: eviction and `drop` skip them (drop says so);
 - every write reaches the cache file at once, in BACKING's order (writepath: `held`);
-- data that must go (an outside change, an unlinked file, an SSD error) is detached (the
-  cache file unlinked, its bytes left to whoever holds it) rather than punched or cut;
+- data that must go (an unlinked file, an SSD error) is detached (the cache file unlinked,
+  its bytes left to whoever holds it) rather than punched or cut; after an outside change
+  of BACKING its blocks turn invalid in place, and the next open is answered once they are
+  read again (`refresh`: the kernel serves that open's mmap from the same cache file);
 - an O_RDWR open with the cache file as backing file could write it through a shared
   mapping: the file's cached blocks are then treated as written (write-back: dirty at the
   open and at the end; write-through: copied to BACKING at the end).
@@ -59,6 +61,8 @@ log = logging.getLogger("cachefs.openmode")
 
 PASSTHROUGH, JOINED, CACHED, DIRECT = "passthrough", "joined", "cached", "direct"
 COMPLETE_MAX_BYTES = 256 << 20  # a file missing more is not completed in the background
+REFRESH_MAX_BYTES = 1 << 30     # nor, with more to read, refreshed before an open (refresh)
+REFRESH_TRIES = 3               # loads overtaken by writes are tried again
 HOLD_CHECK_S = 1.0              # how often held files without opens are looked at
 FUSE_SUPER_MAGIC, OVERLAYFS_SUPER_MAGIC = 0x65735546, 0x794C7630
 CAP_SYS_ADMIN = 21
@@ -83,6 +87,8 @@ class Held:
     voided: set | None = None
     baseline_ready: trio.Event | None = None
     epoch: int = 0              # bumped by every O_RDWR open that takes a new baseline
+    refreshing: trio.Event | None = None    # its cache file is being read again (refresh)
+    refresh_failed: bool = False            # said once (refresh)
 
 
 @dataclass
@@ -95,6 +101,7 @@ class Answer:
     durable: bool = False     # the engine's metadata must be durable before the answer
     mappable: Held | None = None    # an O_RDWR open that may map the cache file: answered
     take_baseline: bool = False     # once its baseline is taken (by this open if True)
+    refresh: Held | None = None     # answered once what BACKING changed is read again
 
 
 class Kernel:
@@ -151,6 +158,7 @@ class OpenModes:
         self._wake = trio.Event()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.completer = None       # (ino, path, size): load a file's missing extents (warm)
+        self.refresher = None       # async (ino, path, size) -> why not all: the same, now
         self.verifier = None        # (cf): verify a file loaded from an earlier mount (verify)
 
     def bind(self, kernel: Kernel) -> None:
@@ -191,8 +199,11 @@ class OpenModes:
             if h is not None and h.backing_id:
                 if readonly and h.current and self._eligible(cf):
                     return self._passthrough(of, h, PASSTHROUGH, "the file's passthrough opens")
-                return self._passthrough(of, h, JOINED,
-                                         "writable" if not readonly else "not fully cached")
+                answer = self._passthrough(of, h, JOINED,
+                                           "writable" if not readonly else "not fully cached")
+                if self._stale(h):
+                    answer.refresh = h
+                return answer
             if not readonly:
                 why = "writable"
             elif of.flags & os.O_DIRECT and not self._direct_ok(of, cf):
@@ -269,6 +280,56 @@ class OpenModes:
         except OSError:
             return False
         return True
+
+    @staticmethod
+    def _stale(h: Held) -> bool:
+        """Blocks of a held cache file are not valid: BACKING changed behind it
+        (CacheState.stale_in_place), or behind dirty data (Coherence._conflict)."""
+        cf = h.cf
+        return h.current and cf.held is h and not cf.doomed and cf.size > 0 and \
+            not cf.all_valid(0, cf.size)
+
+    async def refresh(self, h: Held) -> None:
+        """Before a joined open of a held file whose blocks are not all valid is answered:
+        read them again from BACKING into its cache file. The kernel serves that open from
+        the cache file too (its mmap maps it), so it would map the old bytes, and what it
+        wrote through a shared mapping of them would be lost. Its passthrough readers read
+        BACKING's new bytes from then on, as readers of a local file see another process's
+        writes. One refresh at a time; when it cannot be done (more than REFRESH_MAX_BYTES,
+        no room, BACKING fails) the open is answered anyway and the log says what its
+        mappings see."""
+        while h.refreshing is not None:
+            await h.refreshing.wait()
+        if not self._stale(h):
+            return
+        h.refreshing = trio.Event()
+        why = "no name of the file is known"
+        try:
+            for _ in range(REFRESH_TRIES):
+                cf = h.cf
+                missing = sum(1 for e in range((cf.size + EXT_SIZE - 1) // EXT_SIZE)
+                              if not cf.all_valid(e * EXT_SIZE,
+                                                  min(cf.size, (e + 1) * EXT_SIZE)))
+                if missing * EXT_SIZE > REFRESH_MAX_BYTES:
+                    why = f"{missing * EXT_SIZE >> 20} MiB to read, over the limit"
+                    break
+                if self.refresher is None or cf.path is None:
+                    break
+                why = await self.refresher(cf.ino, cf.path, cf.size)
+                if not self._stale(h):
+                    self.stats.passthrough_refreshed += 1
+                    log.info("inode %d: its cache file, which the kernel reads in passthrough, "
+                             "was read again from BACKING (%d extents)", cf.ino, missing)
+                    return
+            if not h.refresh_failed:
+                h.refresh_failed = True
+                log.warning("inode %d: BACKING changed under a file read in passthrough, and "
+                            "its cache file could not be read again (%s): until its "
+                            "passthrough opens are closed, mappings of new opens see the "
+                            "older bytes", h.cf.ino, why)
+        finally:
+            h.refreshing.set()
+            h.refreshing = None
 
     def _complete(self, cf: CachedFile) -> None:
         """A read-only open of a mostly cached file: load the rest in the background, so

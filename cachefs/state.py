@@ -23,8 +23,8 @@ from .cachefiles import CacheFiles, pwrite_all
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
 from .extentmap import ExtentMap
-from .extents import (BLK_SHIFT, EXT_SHIFT, KEEP_ATIME, CachedFile, Extent, block_mask,
-                      identity, runs)
+from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, KEEP_ATIME, CachedFile, Extent,
+                      block_mask, identity, runs)
 from .integrity import Reports, lost_blocks
 from .oplog import RateLimitedLog
 from .persist import Persister
@@ -260,6 +260,28 @@ class CacheState:
             self.cachefiles.truncate(cf, 0)
         except OSError:          # missing or unwritable: the map no longer claims it anyway
             pass
+
+    def stale_in_place(self, cf: CachedFile, size: int) -> None:
+        """BACKING changed behind a file the kernel reads by itself (held, no dirty data),
+        now `size` bytes long: its blocks turn invalid where they are (extents past the new
+        end go). The cache file stays the file's: the kernel serves every open of the inode
+        from it until the last passthrough open is released (a new open's mmap maps it), so
+        it is read again from BACKING before the next open is answered
+        (OpenModes.refresh); a cache file set aside instead kept the old bytes under every
+        new mapping, and lost what they wrote."""
+        for x in list(cf.extents.values()):
+            if x.ext << EXT_SHIFT >= size:
+                self.map.remove(cf, x)
+            else:
+                self.map.invalidate(cf, x, FULL_MASK)
+        cf.clobber(0, 1 << 62)      # promotions in flight read the old bytes
+        if not cf.extents:
+            self.store.queue_drop_file(cf.ino)
+        if size < cf.size:          # its readers see the new end at once (the blocks past
+            try:                    # it are gone from the map: the stored identity is
+                self.cachefiles.truncate(cf, size)      # the old one until a commit)
+            except OSError:
+                pass
 
     def forget(self, ino: int) -> None:
         cf = self.files.get(ino)

@@ -53,6 +53,8 @@ COUNTERS = (
                                            # passthrough + direct I/O (reads/writes reach us)
     "passthrough_failed",                  # the kernel refused a cache file as backing file
     "passthrough_detached",                # held cache files unlinked rather than emptied
+    "passthrough_refreshed",               # held cache files read again from BACKING after
+                                           # it changed behind them (before an open)
     "passthrough_syncs",                   # held files a shared mapping may have written:
                                            # made dirty (write-back) or copied to BACKING
     "drop_skipped_passthrough",            # extents cachefs-ctl drop left: held by passthrough

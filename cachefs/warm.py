@@ -80,6 +80,7 @@ class Warm:
         self._complete_send, self._complete_recv = trio.open_memory_channel(COMPLETE_QUEUE)
         self._completing: set[int] = set()
         cache.modes.completer = self.complete
+        cache.modes.refresher = self.refresh
 
     # -- state ---------------------------------------------------------------------------
 
@@ -354,6 +355,14 @@ class Warm:
         except trio.WouldBlock:
             return
         self._completing.add(ino)
+
+    async def refresh(self, ino: int, path: bytes, size: int) -> str:
+        """Load what is not valid of a file now (openmode: a held file BACKING changed
+        behind, before an open is answered); what stopped it, or ''."""
+        job = await self._load([Target(path, path, ino, size)], None)
+        if job.errors:
+            return job.errors[0]
+        return "no room in the pool" if job.full else ""
 
     async def _completer(self) -> None:
         async for t in self._complete_recv:

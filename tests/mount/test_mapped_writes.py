@@ -130,16 +130,15 @@ def test_bytes_a_mapping_puts_back_after_a_write_through_the_daemon_reach_backin
     assert_same((m.backing / "f").read_bytes(), data, "BACKING")
 
 
-@pytest.mark.xfail(strict=True, reason="open defect: the kernel serves every open of an "
-                   "inode with a passthrough open from that open's backing file (docs/"
-                   "operations.md, 'Coherence is close-to-open')")
 def test_a_new_open_after_backing_changed_under_a_reader_maps_the_new_bytes(held, mode):
-    """BACKING changes under a file a reader holds in passthrough: its cache file is set
-    aside for that reader, and the kernel makes every later open of the inode use the same
-    backing file until the reader closes (any other open fails with EIO). So a new open
-    reads the new bytes through cachefs, but its mmap maps the old ones, and what it writes
-    through a shared mapping is lost (a helper's hunt)."""
+    """BACKING changes under a file a reader holds in passthrough. The kernel makes every
+    later open of the inode use the reader's backing file (the cache file) until the reader
+    closes (any other open fails with EIO): its cache file used to be set aside for that
+    reader, so a new open read the new bytes through cachefs, but its mmap mapped the old
+    ones, and what it wrote through a shared mapping was lost (a helper's hunt). The cache
+    file is now read again from BACKING before the new open is answered."""
     m, data, r = held
+    before = m.stats()
     with open(m.backing / "f", "r+b") as f:            # someone else changes BACKING
         f.seek(3 * BLK)
         f.write(b"X" * BLK)
@@ -152,14 +151,44 @@ def test_a_new_open_after_backing_changed_under_a_reader_maps_the_new_bytes(held
             mp.flush()
             data[10 * BLK:11 * BLK] = b"W" * BLK
             mapped_new = mp[3 * BLK:4 * BLK] == b"X" * BLK
+        assert os.pread(r, BLK, 3 * BLK) == b"X" * BLK   # the reader: the new bytes too
     finally:
         os.close(fd)
+    assert m.stats()["passthrough_refreshed"] == before["passthrough_refreshed"] + 1
     os.close(r)
     wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 10, what="the release")
     if mode == "write-back":
         ctl_flush(m)
     assert_same((m.backing / "f").read_bytes(), data, "BACKING")
     assert mapped_new
+
+
+@pytest.mark.parametrize("new_size", [SIZE // 2 + 100, SIZE + 3 * MiB + 5])
+def test_backing_shrunk_or_grown_under_a_reader_is_read_again_before_the_next_open(
+        held, mode, new_size):
+    """The same when BACKING's file is cut or extended behind the mount: a new open (read
+    only here: its mmap maps the cache file as well) and the reader see BACKING's bytes,
+    nothing past its end; extents past the new end leave the pool."""
+    m, data, r = held
+    new = bytes(data[:min(SIZE, new_size)]) + os.urandom(max(0, new_size - SIZE))
+    with open(m.backing / "f", "r+b") as f:
+        f.truncate(new_size)
+        f.seek(0)
+        f.write(new)
+    fd = os.open(m.path("f"), os.O_RDONLY)
+    try:
+        assert os.fstat(fd).st_size == new_size
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mp:
+            assert_same(mp[:], new, "the new open's mapping")
+        assert_same(os.pread(fd, 2 * SIZE, 0), new, "the new open")
+        assert_same(os.pread(r, 2 * SIZE, 0), new, "the reader")
+    finally:
+        os.close(fd)
+    assert m.stats()["cache_used"] == (new_size + 65535) // 65536 * 65536
+    os.close(r)
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 10, what="the release")
+    assert_same(m.path("f").read_bytes(), new, "a read after the release")
+    assert_same((m.backing / "f").read_bytes(), new, "BACKING")
 
 
 def test_an_o_rdwr_open_during_the_last_ones_copy_keeps_its_mark(make_mount, tmp_path):

@@ -7,6 +7,7 @@ invariant of the extent map (`ExtentMap.check`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -373,3 +374,39 @@ async def test_a_held_write_cancelled_after_its_reservation_gives_the_room_back(
     assert os.fstat(fd).st_blocks <= before, (os.fstat(fd).st_blocks, before)
     assert eng.cached(of, 0, EXT) == data
     cf.held = None
+
+
+async def test_an_open_that_fails_after_its_handle_was_made_lets_it_go(engine):
+    """An open whose last step fails (the commit a durable answer waits for, on a failing
+    SSD; a refresh or a baseline cancelled at the unmount) is never answered, so no release
+    will come for it: the handle, its BACKING descriptors and what the open mode counted
+    (a passthrough open holds its file and backing id) used to stay for the mount's life."""
+    import types
+
+    from cachefs.fs import Operations
+    from cachefs.inodes import InodeTable
+    eng = engine(pool_exts=4, mode="write-through")
+    eng.make_file("f", os.urandom(EXT))
+    ino = os.stat(eng.backing_dir / "f").st_ino
+    ops = Operations(eng.cfg, eng.cache, InodeTable(os.fstat(eng.backing.root_fd)), "/nowhere")
+    released = []
+    real_release = ops._modes.release
+    ops._modes.release = lambda of: (released.append(of.fh), real_release(of))
+
+    real_answer = ops._modes.answer
+
+    def answer(of, keep):
+        a = real_answer(of, keep)
+        a.durable = True            # as for an O_RDWR open that may map a held file
+        return a
+
+    async def failing_commit(durable=False):
+        raise OSError(errno.EIO, "the cache's metadata could not be committed")
+
+    ops._modes.answer = answer
+    eng.cache.persist = failing_commit
+    ctx = types.SimpleNamespace(pid=os.getpid(), uid=0, gid=0)
+    with pytest.raises(OSError):
+        await ops._open_file(ino, b"f", os.O_RDONLY, ctx, True)
+    assert not ops._open and not ops._fds.has(ino)
+    assert len(released) == 1 and not ops._modes._plain
