@@ -384,9 +384,11 @@ class Cache:
         return contextlib.nullcontext()
 
     def times_set(self, ino: int, st) -> None:
-        """Write-back: BACKING just took explicit times (`st`, its stat after them) for a
-        file with dirty data; destaging the data would replace its mtime, so each destage
-        pass puts these back."""
+        """BACKING just took explicit times (`st`, its stat after them): write-back writes
+        from now on get no older mtime (CacheState.written_now); for a file with dirty data
+        destaging the data would replace its mtime, so each destage pass puts these back."""
+        if st is not None and st.st_mtime_ns > self.state.mtime_floor:
+            self.state.mtime_floor = st.st_mtime_ns     # later writes' mtimes: not before
         cf = self.files.get(ino)
         if self.write_back and cf is not None and cf.dirty_exts and st is not None:
             self.state.set_times(cf, (st.st_atime_ns, st.st_mtime_ns))

@@ -37,6 +37,7 @@ log = logging.getLogger("cachefs.cache")
 
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
 MAPPED = "mapped:"           # meta key prefix: a held file mapped shared and writable
+CLOCK_REALTIME_COARSE = 5        # Linux: the clock file systems stamp times from
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
 CAPS = "caps:"               # meta key prefix of a capability awaiting a destage (set_caps)
 CTIMES = "ctime:"            # meta key prefix of a ctime shown over a destage's (mask_ctime)
@@ -58,6 +59,7 @@ class CacheState:
         # write-back: ino -> (BACKING's ctime after a destage of ours, the ctime shown before
         # it): a destage is no change of the file's (shown_ctime)
         self.ctimes: dict[int, tuple[int, int]] = {}
+        self.mtime_floor = 0                     # the latest mtime set through the mount
         self.pool = (S3Fifo if cfg.eviction == "s3-fifo" else Clock)(capacity_exts)
         self.admission = Admission(cfg.promote_after)
         self.dirty = DirtyIndex()                # write-back: extents newer than BACKING
@@ -196,9 +198,15 @@ class CacheState:
 
     def written_now(self, cf: CachedFile) -> None:
         """Write-back: a write (or truncate) of `cf` was taken now: the mtime BACKING gets
-        after the destage is this one. The fine clock, as `touch` through the mount sets
-        (pyfuse3 for UTIME_NOW): a write right after a touch must not look older (make)."""
-        now = time.time_ns()
+        after the destage is this one. The kernel's coarse clock, as BACKING stamps the
+        nodes made after it (a symlink made right after a write looked up to a tick older on
+        the fine clock: xfstests generic/423), yet never before the latest mtime set through
+        the mount (pyfuse3 gives `touch` the fine clock: a write right after a touch must
+        not look older, make) nor the file's own ctime on BACKING (its birth, on BACKING's
+        clock), and never after the fine clock (a BACKING clock ahead of ours)."""
+        fine = time.time_ns()
+        floor = max(self.mtime_floor, cf.identity[3] if cf.identity is not None else 0)
+        now = max(time.clock_gettime_ns(CLOCK_REALTIME_COARSE), min(floor, fine))
         times = cf.times
         if times is None or times[1] != now:
             self.set_times(cf, (KEEP_ATIME if times is None else times[0], now))

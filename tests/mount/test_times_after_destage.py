@@ -135,6 +135,27 @@ def test_a_write_right_after_a_touch_is_not_older(make_mount):
     assert os.stat(m.backing / "out").st_mtime_ns == final
 
 
+def test_a_node_made_right_after_a_write_is_not_older(make_mount):
+    """A write then a symlink made at once: the symlink's mtime (BACKING stamps it, from the
+    kernel's coarse clock) is never older than the file's (xfstests generic/423, write-back:
+    the write's mtime, which the destage gives BACKING, was taken from the fine clock, up to
+    a clock tick after the symlink's)."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600", "--attr-timeout", "0")
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        older = []
+        for i in range(100):
+            os.pwrite(fd, b"%d" % i, 0)
+            os.symlink("nowhere", m.path(f"l{i}"))
+            f, link = os.stat(m.path("f")).st_mtime_ns, os.lstat(m.path(f"l{i}")).st_mtime_ns
+            if link < f:
+                older.append((i, f - link))
+        assert not older, f"the symlink older than the file in {len(older)} of 100 rounds: " \
+                          f"{older[:5]}"
+    finally:
+        os.close(fd)
+
+
 def test_a_truncate_right_after_a_write_is_not_older(make_mount):
     """write, then ftruncate: the mtime does not go back (the truncate's time came from
     BACKING's coarser clock, up to a few ms before the write's)."""
