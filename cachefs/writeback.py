@@ -48,7 +48,7 @@ log = logging.getLogger("cachefs.writeback")
 
 BATCH_BYTES = 16 << 20         # one destage pass of a file (runs, with bridged gaps)
 MIN_RATE = 4 << 20             # B/s assumed before the first measurement
-MAX_DELAY_S = 2.0              # one write is never held longer than this
+MAX_DELAY_S = 2.0              # one sleep of a held write is never longer than this
 BACKOFF_MAX_S = 30.0
 BACKOFF_FORCED_S = 1.0         # longest wait between retries while a flush asks for everything
 FLUSH_STALL_TIMEOUTS = 5   # a flush gives up after this many --backing-timeout without progress
@@ -160,24 +160,37 @@ class Destager:
     # -- flow control ------------------------------------------------------------------------
 
     async def throttle(self, nbytes: int) -> None:
-        """Delay a write that would take dirty data above the high mark."""
+        """Hold a write that would take dirty data above the high mark until the destager
+        has made room for it, in sleeps of (excess / destage rate), each at most
+        MAX_DELAY_S: dirty data stays within the mark plus the writes in flight (what
+        losing the SSD can lose, docs/operations.md). One sleep did before, whatever the
+        destager achieved meanwhile: a writer beside a busy CPU took it 30 % over. While
+        destaging fails (BACKING errors, timeouts) holding writers makes no room: after one
+        sleep they go on, and dirty data grows on the SSD, as the log and stats say."""
         if not self.high:
             return
-        over = self._cache.dirty_bytes() + nbytes - self.high
-        if over <= 0:
-            if self._engaged_s is not None:
-                self._check_release()
-            return
-        if self._engaged_s is None:
-            self._engaged_s = time.monotonic()
-            self._engaged_writes = self._stats.throttled_writes
-            log.info("flow control engaged: %s dirty, over the high mark of %s; writers are "
-                     "slowed to the destage rate (%s/s)", format_size(self._cache.dirty_bytes()),
-                     format_size(self.high), format_size(max(self.rate, MIN_RATE)))
-        delay = min(over / max(self.rate, MIN_RATE), MAX_DELAY_S)
-        self._stats.throttled_writes += 1
-        self._stats.throttle_delay_ns += int(delay * 1e9)
-        await trio.sleep(delay)
+        counted = False
+        while True:
+            dirty = self._cache.dirty_bytes()
+            over = dirty + nbytes - self.high
+            if over <= 0 or not dirty:          # (a write larger than the mark: alone)
+                if self._engaged_s is not None:
+                    self._check_release()
+                return
+            if self._engaged_s is None:
+                self._engaged_s = time.monotonic()
+                self._engaged_writes = self._stats.throttled_writes
+                log.info("flow control engaged: %s dirty, over the high mark of %s; writers "
+                         "are slowed to the destage rate (%s/s)", format_size(dirty),
+                         format_size(self.high), format_size(max(self.rate, MIN_RATE)))
+            delay = min(over / max(self.rate, MIN_RATE), MAX_DELAY_S)
+            if not counted:
+                counted = True
+                self._stats.throttled_writes += 1
+            self._stats.throttle_delay_ns += int(delay * 1e9)
+            await trio.sleep(delay)
+            if self.failing():
+                return
 
     def _check_release(self) -> None:
         """Log the end of a flow-control episode once dirty data is back under the low mark

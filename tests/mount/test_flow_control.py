@@ -56,7 +56,10 @@ def test_write_burst_is_slowed_to_backing_speed_and_drains(make_mount, tmp_path)
               f"{s['destage_rate'] / MiB:.1f} MiB/s, delayed {s['throttled_writes']} writes "
               f"{s['throttle_delay_s']:.2f} s")
         assert s["throttled_writes"] > 0 and s["throttle_delay_s"] > 0
-        assert peak <= high * 1.25, f"dirty peaked at {peak / MiB:.1f} MiB over a 4 MiB mark"
+        # within the mark plus the write in flight (what losing the SSD can lose); one
+        # sleep per write let it run 30 % over with a busy CPU beside it
+        assert peak <= high + (256 << 10), \
+            f"dirty peaked at {peak / MiB:.2f} MiB over a 4 MiB mark"
         # the writer ran at about BACKING's speed, not the SSD's
         assert burst_s > 24 / 16 * 0.6, burst_s
         wait_until(lambda: m.stats()["dirty_bytes"] == 0, 30, what="dirty data to drain")
