@@ -202,7 +202,10 @@ class Cache:
         cf = self.state.file_for(ino, st)
         if not st.st_nlink:
             cf.doomed = True            # no name: its data goes at the last release
+        known = cf.identity
         unchanged = self.coherence.revalidate(cf, st, token)
+        if not unchanged and known is not None and cf.identity != known:
+            cf.attrs_stale = True       # changed behind us: the kernel's size is old too
         if cf.kernel_stale:             # a lookup just before found the change: the kernel
             cf.kernel_stale = False     # must drop its pages in this open, not later
             unchanged = False

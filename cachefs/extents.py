@@ -96,7 +96,7 @@ class CachedFile:
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
-                 "kernel_stale", "atime_read", "caps")
+                 "kernel_stale", "attrs_stale", "atime_read", "caps")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -138,6 +138,9 @@ class CachedFile:
         # a getattr or lookup found BACKING changed: the kernel's pages of the file are old,
         # and its next open must not let the kernel keep them (its invalidation is queued)
         self.kernel_stale = False
+        # an open found BACKING changed: the kernel's attributes of the file (its size) are
+        # old, and are to be invalidated before that open is answered (fs._open_file)
+        self.attrs_stale = False
 
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""

@@ -417,6 +417,14 @@ class Operations(pyfuse3.Operations):
         of.opener = (ctx.pid, ctx.uid, ctx.gid)
         self._fds.add(of)
         try:
+            if of.cfile.attrs_stale:
+                # BACKING changed behind the mount (another host, another program): the
+                # kernel's attributes, its size among them, are dropped before the open is
+                # answered, so that its first read asks for them again (close-to-open): up
+                # to --attr-timeout later, reads stopped at the old size (appended bytes
+                # missing) or went past the new one (zeros).
+                of.cfile.attrs_stale = False
+                await trio.to_thread.run_sync(_invalidate, of.ino, True)
             if getattr(ctx, "kill_suidgid", False):     # O_TRUNC by a caller w/o CAP_FSETID
                 await self._kill_suidgid(of)
             answer = self._modes.answer(of, keep)

@@ -66,3 +66,31 @@ def test_write_back_host_reports_a_conflict_with_another_host(make_mount):
     assert s["stale_files"] == 1                       # a file changed behind the cache too
     assert "conflict: BACKING inode" in a.logs[-1].read_text()
     a.stop(check=False)                                # the WARNING is expected
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+@pytest.mark.parametrize("change", ["append", "cut and rewrite"])
+def test_close_to_open_sees_a_new_size_within_the_attribute_timeout(make_mount, mode, change):
+    """Another host appends to a file, or cuts and rewrites it, that a program here read a
+    moment ago (the kernel holds its size for --attr-timeout): the next open here reads
+    exactly BACKING's bytes. The open found the change but the kernel kept its old size:
+    reads stopped at it (the appended bytes missing, 10 of 20 in a helper's run) or went
+    past the new end (zeros)."""
+    m = make_mount("--mode", mode, "--attr-timeout", "30")
+    size = 2 << 20
+    for i in range(6):
+        name = f"f{i}"
+        (m.backing / name).write_bytes(os.urandom(size))
+        for _ in range(2):                          # read (and cached) here
+            assert len(m.path(name).read_bytes()) == size
+        with open(m.backing / name, "r+b") as f:    # the other host
+            if change == "append":
+                f.seek(0, os.SEEK_END)
+                f.write(os.urandom(70_000))
+            else:
+                f.truncate(size // 3)
+                f.seek(size // 3)
+                f.write(os.urandom(100_000))
+        got, want = m.path(name).read_bytes(), (m.backing / name).read_bytes()
+        assert len(got) == len(want) and got == want, \
+            f"{name}: read {len(got)} bytes, BACKING has {len(want)}"
