@@ -31,7 +31,7 @@ from .inodes import ROOT_INODE, InodeTable
 from .integrity import Damaged
 from .namespace import CAPS as CAPS_XATTR
 from .namespace import Caller
-from .openmode import Answer, Kernel
+from .openmode import DIRECT, JOINED, Answer, Kernel
 from .oplog import RateLimitedLog
 
 log = logging.getLogger("cachefs.fs")
@@ -417,17 +417,17 @@ class Operations(pyfuse3.Operations):
         of.opener = (ctx.pid, ctx.uid, ctx.gid)
         self._fds.add(of)
         try:
+            if getattr(ctx, "kill_suidgid", False):     # O_TRUNC by a caller w/o CAP_FSETID
+                await self._kill_suidgid(of)
+            answer = self._modes.answer(of, keep)
             if of.cfile.attrs_stale:
                 # BACKING changed behind the mount (another host, another program): the
                 # kernel's attributes, its size among them, are dropped before the open is
                 # answered, so that its first read asks for them again (close-to-open): up
                 # to --attr-timeout later, reads stopped at the old size (appended bytes
-                # missing) or went past the new one (zeros).
+                # missing) or went past the new one (zeros). (O_APPEND writes: see write.)
                 of.cfile.attrs_stale = False
                 await trio.to_thread.run_sync(_invalidate, of.ino, True)
-            if getattr(ctx, "kill_suidgid", False):     # O_TRUNC by a caller w/o CAP_FSETID
-                await self._kill_suidgid(of)
-            answer = self._modes.answer(of, keep)
             if answer.refresh is not None:      # its cache file is to hold BACKING's bytes
                 await self._modes.refresh(answer.refresh)
             if answer.mappable is not None:     # before the kernel lets the caller map it
@@ -498,6 +498,11 @@ class Operations(pyfuse3.Operations):
             self._cache.own_metadata_change(of.ino, None)   # only BACKING's ctime moved
         if of.cfile.caps is not None:       # a write drops it: no destage puts it back
             self._cache.caps_dropped(of.cfile)
+        if of.flags & os.O_APPEND and of.mode in (DIRECT, JOINED):
+            # The file's end, not the kernel's size, which is older than the file's when it
+            # changed behind the mount (another host appended to a log: the write landed
+            # on that host's line): such opens are direct_io (OpenModes.answer).
+            off = of.cfile.size
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)

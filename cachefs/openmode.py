@@ -235,6 +235,12 @@ class OpenModes:
                     h.backing_id = bid
                     return self._passthrough(of, h, PASSTHROUGH, "fully cached, read-only")
                 why = "the kernel refused the cache file"
+        if of.flags & os.O_APPEND and cf.attrs_stale and not direct:
+            # The file changed behind the mount and the kernel's size is older: it would
+            # put O_APPEND writes there, in its page cache too. Through direct I/O they
+            # reach cachefs, which writes them at the file's end (fs.write).
+            direct = True
+            why = "O_APPEND to a file changed behind the mount"
         of.mode = DIRECT if direct else CACHED
         self._plain[of.ino] = self._plain.get(of.ino, 0) + 1
         if not direct:

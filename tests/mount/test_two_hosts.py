@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.conftest import read_blocks, warm
+from tests.conftest import ctl_flush, read_blocks, warm
 
 pytestmark = pytest.mark.fuse
 
@@ -94,3 +94,28 @@ def test_close_to_open_sees_a_new_size_within_the_attribute_timeout(make_mount, 
         got, want = m.path(name).read_bytes(), (m.backing / name).read_bytes()
         assert len(got) == len(want) and got == want, \
             f"{name}: read {len(got)} bytes, BACKING has {len(want)}"
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_an_append_after_another_host_appended_keeps_both_lines(make_mount, mode):
+    """A log both hosts append to: the other host appends a line and closes; `echo >> log`
+    here must add its line after it. The kernel put an O_APPEND write at its own older size
+    of the file, over the other host's line (10 of 10 in a helper's run, both modes)."""
+    m = make_mount("--mode", mode, "--attr-timeout", "30")
+    for i in range(5):
+        log = f"log{i}"
+        (m.backing / log).write_bytes(b"start\n")
+        assert m.path(log).read_bytes() == b"start\n"       # the kernel holds its size
+        with open(m.backing / log, "ab") as f:
+            f.write(b"from the other host\n")
+        fd = os.open(m.path(log), os.O_WRONLY | os.O_APPEND)    # as the shell's >> (no
+        try:                                                    # lseek, as Python's "ab")
+            os.write(fd, b"from this host\n")
+            os.write(fd, b"and a second line\n")
+        finally:
+            os.close(fd)
+        want = b"start\nfrom the other host\nfrom this host\nand a second line\n"
+        assert m.path(log).read_bytes() == want
+        if mode == "write-back":
+            ctl_flush(m)
+        assert (m.backing / log).read_bytes() == want
