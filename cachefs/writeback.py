@@ -173,7 +173,10 @@ class Destager:
         while True:
             dirty = self._cache.dirty_bytes()
             over = dirty + nbytes - self.high
-            if over <= 0 or not dirty:          # (a write larger than the mark: alone)
+            # After a sleep, a write goes once dirty data is back at the mark (it is then
+            # one of the writes in flight): a write larger than the room under the mark
+            # (one of 300 KB with a 256 KiB mark) would otherwise wait for none at all.
+            if over <= 0 or not dirty or (counted and dirty <= self.high):
                 if self._engaged_s is not None:
                     self._check_release()
                 return
