@@ -110,6 +110,23 @@ def lstat(root: int, rel: bytes) -> os.stat_result:
         return os.stat(r, dir_fd=dfd, follow_symlinks=False)
 
 
+def lstat_in(root: int, parent: bytes, name: bytes
+             ) -> tuple[os.stat_result, os.stat_result | None]:
+    """The stat of directory `parent` and the lstat of `name` in it (None: no such entry),
+    both through one descriptor of that directory: the caller checks the directory is still
+    the one it looked `name` up in (fs.lookup)."""
+    with at(root, parent) as (dfd, r):
+        d = os.open(r, _DIR_FLAGS, dir_fd=dfd)
+    try:
+        dst = os.fstat(d)
+        try:
+            return dst, os.stat(name, dir_fd=d, follow_symlinks=False)
+        except FileNotFoundError:
+            return dst, None
+    finally:
+        os.close(d)
+
+
 def stat(root: int, rel: bytes) -> os.stat_result:
     with at(root, rel) as (dfd, r):
         return os.stat(r, dir_fd=dfd)

@@ -193,9 +193,37 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def lookup(self, parent_inode, name, ctx=None):
         token = self._cache.stat_token(None)
-        path = self._child(parent_inode, name)
-        st = await self._ns.lstat(path)
+        if parent_inode == ROOT_INODE:
+            st = await self._ns.lstat(name)
+        else:
+            for last in (False, True):
+                parent = self._path(parent_inode)
+                dst, st = await self._ns.lstat_in(parent, name)
+                if self._inodes.ino_of(dst) == parent_inode:
+                    break
+                if last:
+                    raise FUSEError(errno.ESTALE)
+                await self._check_dir(parent_inode, parent)     # ESTALE, or it settled
+            if st is None:
+                raise FUSEError(errno.ENOENT)
         return self._entry(parent_inode, name, st, token)
+
+    async def _check_dir(self, ino: int, path: bytes | None = None) -> None:
+        """Directory `ino`'s remembered path still leads to it. Another program may have
+        renamed it on BACKING and put another directory at its path: lookups, creates and
+        removals by the kernel's handle of it (a process's cwd, a directory descriptor)
+        reached that other directory's entries (a helper's hunt). A rename of it under way
+        here resolves within RENAME_PAUSES_S; otherwise ESTALE (local file systems and NFS
+        follow the moved directory by its handle, which cachefs does not keep)."""
+        if ino == ROOT_INODE:
+            return
+        path = self._path(ino) if path is None else path
+        try:
+            st = await self._ns.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is None or self._inodes.ino_of(st) != ino:
+            await self._stat_by_path(ino, path)     # ESTALE (or ENOENT) unless it settles
 
     async def forget(self, inode_list):
         for ino, nlookup in inode_list:
@@ -285,6 +313,7 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self._path(parent_inode)
+        await self._check_dir(parent_inode, parent)
         path = self._child(parent_inode, name)
         st = await self._ns.mknod(path, mode, rdev, ctx.uid, ctx.gid, parent, ctx.umask)
         return self._entry(parent_inode, name, st)
@@ -292,6 +321,7 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def mkdir(self, parent_inode, name, mode, ctx):
         parent = self._path(parent_inode)
+        await self._check_dir(parent_inode, parent)
         path = self._child(parent_inode, name)
         st = await self._ns.mkdir(path, mode, ctx.uid, ctx.gid, parent, ctx.umask)
         return self._entry(parent_inode, name, st)
@@ -299,12 +329,14 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def symlink(self, parent_inode, name, target, ctx):
         parent = self._path(parent_inode)
+        await self._check_dir(parent_inode, parent)
         path = self._child(parent_inode, name)
         st = await self._ns.symlink(target, path, ctx.uid, ctx.gid, parent)
         return self._entry(parent_inode, name, st)
 
     @_errno_mapped
     async def unlink(self, parent_inode, name, ctx):
+        await self._check_dir(parent_inode)
         path = self._child(parent_inode, name)
         ino = self._inodes.child(parent_inode, name)
         guarded = await self._last_link(ino, path)
@@ -336,6 +368,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_mapped
     async def rmdir(self, parent_inode, name, ctx):
+        await self._check_dir(parent_inode)
         path = self._child(parent_inode, name)
         st, held = await self._ns.rmdir(path)
         ino = self._inodes.ino_of(st)
@@ -348,6 +381,9 @@ class Operations(pyfuse3.Operations):
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         if flags & ~(pyfuse3.RENAME_EXCHANGE | pyfuse3.RENAME_NOREPLACE | RENAME_WHITEOUT):
             raise FUSEError(errno.EINVAL)       # WHITEOUT: BACKING leaves one at `old` (overlayfs)
+        await self._check_dir(parent_inode_old)
+        if parent_inode_new != parent_inode_old:
+            await self._check_dir(parent_inode_new)
         old = self._child(parent_inode_old, name_old)
         new = self._child(parent_inode_new, name_new)
         target = self._inodes.child(parent_inode_new, name_new)
@@ -380,6 +416,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_mapped
     async def link(self, inode, new_parent_inode, new_name, ctx):
+        await self._check_dir(new_parent_inode)
         new = self._child(new_parent_inode, new_name)
         try:
             old = self._inodes.path(inode)
@@ -443,6 +480,7 @@ class Operations(pyfuse3.Operations):
     @_errno_mapped
     async def create(self, parent_inode, name, mode, flags, ctx):
         parent = self._path(parent_inode)
+        await self._check_dir(parent_inode, parent)
         path = self._child(parent_inode, name)
         await self._fds.wait_for_fds()
         fh = self._fh()

@@ -95,6 +95,10 @@ class Namespace:
     async def fstat(self, fd: int) -> os.stat_result:
         return await self._backing.fstat(fd)
 
+    async def lstat_in(self, parent: bytes, name: bytes
+                       ) -> tuple[os.stat_result, os.stat_result | None]:
+        return await self._backing.read_call("stat", bp.lstat_in, self._root, parent, name)
+
     async def setattr(self, path: bytes, fd: int | None, mode: int | None, uid: int,
                       gid: int, times: tuple | None, touch: bool, ino: int | None = None
                       ) -> os.stat_result:

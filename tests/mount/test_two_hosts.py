@@ -1,6 +1,7 @@
 """Issue 17, item 6: two cachefs mounts of one BACKING stand in for two hosts. In
 write-through, close-to-open holds both ways, also for a file the reader holds cached."""
 
+import errno
 import os
 
 import pytest
@@ -119,3 +120,50 @@ def test_an_append_after_another_host_appended_keeps_both_lines(make_mount, mode
         if mode == "write-back":
             ctl_flush(m)
         assert (m.backing / log).read_bytes() == want
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_directory_moved_behind_the_mount_is_not_confused_with_its_successor(make_mount,
+                                                                               mode):
+    """A program holds directory `a` (a descriptor; a shell's cwd is the same); another
+    host renames `a` to `b` and makes a new `a`. Opens, creates and removals relative to the
+    held directory reached the new `a` (its files read, `h` created there: a helper's hunt,
+    every time within --attr-timeout). cachefs keeps no handle of a directory: they fail
+    with ESTALE instead, and never touch the new `a`."""
+    m = make_mount("--mode", mode, "--attr-timeout", "30")
+    a = m.backing / "a"
+    a.mkdir()
+    (a / "f").write_bytes(b"old f")
+    (a / "g").write_bytes(b"old g")
+    dfd = os.open(m.path("a"), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert sorted(os.listdir(dfd)) == ["f", "g"]
+        fd = os.open("f", os.O_RDONLY, dir_fd=dfd)
+        os.close(fd)
+        os.rename(a, m.backing / "b")                   # the other host
+        a.mkdir()
+        (a / "f").write_bytes(b"NEW f")
+        (a / "g").write_bytes(b"NEW g")
+        for name in ("f", "g"):
+            try:
+                fd = os.open(name, os.O_RDONLY, dir_fd=dfd)
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE, exc
+            else:
+                try:
+                    assert os.read(fd, 100).startswith(b"old"), name
+                finally:
+                    os.close(fd)
+        for call in (lambda: os.close(os.open("h", os.O_WRONLY | os.O_CREAT, 0o644,
+                                              dir_fd=dfd)),
+                     lambda: os.mkdir("d", dir_fd=dfd),
+                     lambda: os.unlink("g", dir_fd=dfd),
+                     lambda: os.symlink("x", "s", dir_fd=dfd)):
+            try:
+                call()
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE, exc
+    finally:
+        os.close(dfd)
+    assert sorted(p.name for p in a.iterdir()) == ["f", "g"]       # the new `a` untouched
+    assert (a / "g").read_bytes() == b"NEW g"
