@@ -18,6 +18,7 @@ that cachefs-ctl reaches a daemon whose mount root cannot answer (BACKING hung).
 
 from __future__ import annotations
 
+import errno
 import grp
 import hashlib
 import json
@@ -25,6 +26,7 @@ import logging
 import os
 import socket
 import sqlite3
+import stat as stat_mod
 import struct
 from typing import Any, Awaitable, Callable
 
@@ -67,12 +69,27 @@ def register(real_mountpoint: str, sock_path: str) -> str | None:
     link = registry_path(real_mountpoint)
     tmp = f"{link}.{os.getpid()}"
     try:
-        os.makedirs(MOUNTS_DIR, mode=0o755, exist_ok=True)
+        own_dir(RUN_DIR)
+        own_dir(MOUNTS_DIR)
         os.symlink(sock_path, tmp)
         os.replace(tmp, link)
         return link
     except OSError:
         return None
+
+
+def own_dir(path: str) -> None:
+    """Make `path` (RUN_DIR, MOUNTS_DIR) a directory of this user's that only it may write.
+    The daemon runs with umask 0: makedirs gave RUN_DIR, made on the way to MOUNTS_DIR, mode
+    0777, and any user could then have put a socket or link of theirs in place of a mount's
+    (cachefs-ctl run by root would talk to it). One left that way is made 0755; one of
+    another user's, or not a directory, is refused (OSError)."""
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    st = os.lstat(path)
+    if not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{path} is not a directory of this user's")
+    if st.st_mode & 0o022:
+        os.chmod(path, 0o755)
 
 
 def unregister(link: str, sock_path: str) -> None:
@@ -111,7 +128,7 @@ class ControlServer:
         except FileNotFoundError:
             pass
         if self._gid is not None:
-            os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+            own_dir(os.path.dirname(self.path))
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
         await sock.bind(self.path)               # nobody can connect before listen()
         if self._gid is None:

@@ -42,3 +42,27 @@ async def test_a_command_failing_on_the_ssd_answers_and_the_server_goes_on(tmp_p
         assert b["ok"] is False and "Input/output error" in b["error"]
         assert await _ask(path, "stats") == {"ok": True, "fine": 1}
         nursery.cancel_scope.cancel()
+
+
+def test_the_run_directory_is_writable_by_its_owner_only(tmp_path, monkeypatch):
+    """The daemon runs with umask 0: making /run/cachefs/mounts made /run/cachefs 0777 on
+    the way (found by the suite's own access test after a fresh boot), and any user could
+    put a socket or link there in place of a mount's. Made 0755, and put back to it."""
+    import os
+    import stat
+
+    from cachefs import control
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(control, "RUN_DIR", str(run))
+    monkeypatch.setattr(control, "MOUNTS_DIR", str(run / "mounts"))
+    old = os.umask(0)
+    try:
+        assert control.register("/some/mountpoint", str(tmp_path / "x.sock")) is not None
+        assert stat.S_IMODE(os.stat(run).st_mode) == 0o755
+        assert stat.S_IMODE(os.stat(run / "mounts").st_mode) == 0o755
+        os.chmod(run, 0o777)                    # left so by another program
+        assert control.register("/other/mountpoint", str(tmp_path / "y.sock")) is not None
+        assert stat.S_IMODE(os.stat(run).st_mode) == 0o755
+    finally:
+        os.umask(old)
