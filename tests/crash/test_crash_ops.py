@@ -639,7 +639,7 @@ def test_kill9_new_file_on_a_reused_inode_number_is_empty(make_mount, how):
             os.unlink(m.path("a"))
         os.pwrite(fd, old, 0)
         commits = m.stats()["metadata_commits"]
-        wait_until(lambda: m.stats()["metadata_commits"] > commits, 5, what="a commit")
+        wait_until(lambda: m.stats()["metadata_commits"] > commits, 20, what="a commit")
         if how == "closed":
             os.close(fd)
         if how != "written after unlink":
