@@ -320,6 +320,7 @@ class OpenModes:
                     why = f"{missing * EXT_SIZE >> 20} MiB to read, over the limit"
                     break
                 if self.refresher is None or cf.path is None:
+                    why = "no loader" if self.refresher is None else why
                     break
                 why = await self.refresher(cf.ino, cf.path, cf.size)
                 if not self._stale(h):
