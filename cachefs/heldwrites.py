@@ -231,7 +231,20 @@ class HeldWrites:
         blocks whose bytes differ from the baseline taken at the O_RDWR open, or that have
         none (the engine changed their extent since, a file too large for one), turn dirty
         (write-back) or are copied to BACKING (write-through). An open that wrote nothing
-        through a mapping costs a read of the cache file and nothing on BACKING."""
+        through a mapping costs a read of the cache file and nothing on BACKING.
+
+        Write-back waits for a destage pass of the file in flight: it read its blocks
+        before the mapping's last writes, and cleans them when done (which voids their
+        baseline). Taken before that, a block dirty then was left to the pass and turned
+        clean with its older bytes (a test's hung BACKING; write-through's copy takes the
+        lock itself)."""
+        if not self.write_back:
+            await self._sync_back(cf)
+            return
+        async with self._s.file_lock(cf):
+            await self._sync_back(cf)
+
+    async def _sync_back(self, cf: CachedFile) -> None:
         h = cf.held
         base, voided = h.baseline or {}, h.voided or set()
         h.baseline = h.voided = None
