@@ -44,8 +44,17 @@ class Attributes:
         a.st_ctime_ns = st.st_ctime_ns
         if self._cache.write_back:
             cf = self._cache.files.get(ino)             # a destage's ctime is not shown
-            busy = cf is not None and bool(cf.meta_inflight or cf.writes_inflight)
-            a.st_ctime_ns = self._cache.shown_ctime(ino, st.st_ctime_ns, busy)
+            ctime, busy = st.st_ctime_ns, False
+            if cf is not None and (cf.meta_inflight or cf.writes_inflight
+                                   or self._cache.overtaken(cf, token)):
+                # A change of ours is under way or ended during the stat (a destage pass:
+                # its thread moved BACKING's ctime before the loop took its end): programs
+                # see the ctime from before it (a first destage showed its own ctime once,
+                # then the one before again: git's index saw a change).
+                busy = True
+                if cf.identity is not None:
+                    ctime = cf.identity[3]
+            a.st_ctime_ns = self._cache.shown_ctime(ino, ctime, busy)
             self._dirty_view(a, st, ino)
         return a
 

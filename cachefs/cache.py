@@ -80,6 +80,7 @@ class Cache:
         self.attributes_seen = self.coherence.attributes_seen
         self.own_metadata_change = self.coherence.own_metadata_change
         self.logical_size = self.coherence.logical_size
+        self.overtaken = self.coherence.overtaken
         for name in ("load", "forget", "drop_file", "drop_clean", "install_wanted", "status",
                      "shown_ctime",
                      "used_bytes", "cache_path", "file_lock", "dirty_bytes",

@@ -48,6 +48,11 @@ class Coherence:
         cf = self.files.get(ino)
         return (cf, cf.change_seq if cf is not None else 0)
 
+    def overtaken(self, cf: CachedFile, token: tuple | None) -> bool:
+        """An own change of `cf` ended since `token` was taken (before a BACKING stat):
+        that stat may show BACKING in the middle of it."""
+        return self._overtaken(cf, token)
+
     def _overtaken(self, cf: CachedFile, token: tuple | None) -> bool:
         if token is None:
             return False
