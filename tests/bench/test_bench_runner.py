@@ -40,7 +40,7 @@ def test_quick_runner_table(tmp_path):
     out = tmp_path / "out"
     res = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run.py"), "--quick", "--only", "nlvmug-read",
-         "--size", "64M", "--runtime", "3", "--out", str(out)],
+         "--size", "16M", "--runtime", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=150, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     assert set(mounted_under("/var/tmp/cachefs-bench.")) <= before, "runner left mounts"

@@ -27,6 +27,9 @@ KiB = 1024
 
 @pytest.fixture
 def slow_backing(tmp_path):
+    """slowfs over src. Tests name it before make_mount: set up first, it is torn down
+    after the cachefs mounts on it (the other way round, its unmount found them there and
+    waited 20 s for its daemon)."""
     src, slow = tmp_path / "src", tmp_path / "slow"
     src.mkdir()
     slow.mkdir()
@@ -40,7 +43,7 @@ def health_lines(log: str) -> list[str]:
     return re.findall(r"^.* cachefs\.backing: BACKING .*$", log, re.M)
 
 
-def test_a_burst_of_eio_is_one_warning_then_one_recovery(make_mount, slow_backing):
+def test_a_burst_of_eio_is_one_warning_then_one_recovery(slow_backing, make_mount):
     src, slow, sf = slow_backing
     m = make_mount("--promote-after", "1", backing=slow)
     hot, cold = (src / "hot").read_bytes(), (src / "cold").read_bytes()
@@ -91,7 +94,7 @@ def test_a_burst_of_eio_is_one_warning_then_one_recovery(make_mount, slow_backin
                                          r"suppressed\)$", lines[2]), lines
 
 
-def test_a_hung_backing_times_out_with_eio_and_health_says_so(make_mount, slow_backing):
+def test_a_hung_backing_times_out_with_eio_and_health_says_so(slow_backing, make_mount):
     src, slow, sf = slow_backing
     m = make_mount("--backing-timeout", "1", backing=slow)
     cold = (src / "cold").read_bytes()
@@ -121,7 +124,7 @@ def test_a_hung_backing_times_out_with_eio_and_health_says_so(make_mount, slow_b
 
 
 @pytest.mark.parametrize("mode", ["write-through", "write-back"])
-def test_a_hung_backing_write_shows_as_a_stall_then_ends(make_mount, slow_backing, mode):
+def test_a_hung_backing_write_shows_as_a_stall_then_ends(slow_backing, make_mount, mode):
     """Writes are never abandoned, so a BACKING write that hangs is neither an error nor a
     success: past --backing-timeout it is a stall (state, `stats` row, one WARNING), and one
     INFO when it returns. (Write-back: the write's fill read or the destager's pass.)"""
@@ -184,7 +187,7 @@ def test_mount_over_a_hung_backing_is_refused_after_the_timeout(tmp_path, slow_b
     assert took < 20, took
 
 
-def test_ctl_reaches_the_daemon_while_backing_hangs(make_mount, slow_backing):
+def test_ctl_reaches_the_daemon_while_backing_hangs(slow_backing, make_mount):
     """cachefs-ctl finds the daemon without asking the mount root (whose attributes come
     from BACKING): with BACKING's server stopped, `stats` answers at once and shows the
     failure (it said "is not a directory" once the root's getattr timed out)."""

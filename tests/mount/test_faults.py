@@ -20,6 +20,9 @@ pytestmark = pytest.mark.fuse
 
 @pytest.fixture
 def slow_backing(tmp_path):
+    """slowfs over src. Tests name it before make_mount: set up first, it is torn down
+    after the cachefs mounts on it (the other way round, its unmount found them there and
+    waited 20 s for its daemon)."""
     src, slow = tmp_path / "src", tmp_path / "slow"
     src.mkdir()
     slow.mkdir()
@@ -29,7 +32,7 @@ def slow_backing(tmp_path):
         yield src, slow, sf
 
 
-def test_hung_backing_fails_misses_with_eio_and_keeps_serving_hits(make_mount, slow_backing):
+def test_hung_backing_fails_misses_with_eio_and_keeps_serving_hits(slow_backing, make_mount):
     src, slow, sf = slow_backing
     m = make_mount("--backing-timeout", "1.5", "--promote-after", "1", backing=slow)
     hot = (src / "hot").read_bytes()
@@ -55,7 +58,7 @@ def test_hung_backing_fails_misses_with_eio_and_keeps_serving_hits(make_mount, s
     m.stop()
 
 
-def test_backing_read_errors_reach_the_reader(make_mount, slow_backing):
+def test_backing_read_errors_reach_the_reader(slow_backing, make_mount):
     src, slow, sf = slow_backing
     m = make_mount("--promote-after", "1", backing=slow)
     data = (src / "cold").read_bytes()
@@ -75,8 +78,8 @@ def test_backing_read_errors_reach_the_reader(make_mount, slow_backing):
     m.stop()
 
 
-def test_a_backing_error_in_a_partly_cached_read_is_not_counted_as_the_ssds(make_mount,
-                                                                            slow_backing):
+def test_a_backing_error_in_a_partly_cached_read_is_not_counted_as_the_ssds(slow_backing,
+                                                                            make_mount):
     """A read over cached and uncached extents whose BACKING part fails: EIO to the reader,
     counted as a BACKING error. It was counted as a cache (SSD) error and read from BACKING
     a second time."""
@@ -111,8 +114,8 @@ def _every_other_extent(fd: int, size: int) -> bytes:
     return bytes(data)
 
 
-def test_failed_destage_passes_are_not_taken_for_changes_behind_the_cache(make_mount,
-                                                                           slow_backing):
+def test_failed_destage_passes_are_not_taken_for_changes_behind_the_cache(slow_backing,
+                                                                           make_mount):
     """A destage pass that fails part way leaves some of its writes in BACKING (its size and
     mtime move). The next open took that for another writer: a conflict warning and the
     file's clean cached extents dropped, with nobody else touching BACKING."""
@@ -140,8 +143,8 @@ def test_failed_destage_passes_are_not_taken_for_changes_behind_the_cache(make_m
     m.stop()                                # before slowfs goes
 
 
-def test_destaging_gets_through_a_backing_failing_a_few_per_cent_of_writes(make_mount,
-                                                                            slow_backing):
+def test_destaging_gets_through_a_backing_failing_a_few_per_cent_of_writes(slow_backing,
+                                                                            make_mount):
     """A destage pass (up to 16 MiB, hundreds of BACKING writes) is all or nothing: with 5 %
     of BACKING's writes failing none got through (0 bytes in 5 minutes, writers held at the
     high mark). After a failure a file's passes shrink (down to one extent) and grow back as
@@ -179,8 +182,8 @@ def fsynced_file(m, name: str, size: int) -> bytes:
     return data
 
 
-def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mount,
-                                                                        slow_backing):
+def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(slow_backing,
+                                                                        make_mount):
     """Write-back: the destager is in a BACKING call when BACKING hangs, and the mount is
     unmounted. The daemon waited for that call (a dead server: for ever; `cachefs umount`
     with it). It now leaves it: the data stays dirty on the SSD and is destaged by the next
@@ -213,7 +216,7 @@ def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(make_mou
 
 
 
-def test_umount_flush_gives_up_on_a_hung_backing(make_mount, slow_backing):
+def test_umount_flush_gives_up_on_a_hung_backing(slow_backing, make_mount):
     """`cachefs umount --flush` (the systemd unit's stop) with BACKING hung: a destage that
     neither fails nor ends was no error, so the flush waited for ever (a helper: still at
     0 % after 100 s). It gives up after 5 x --backing-timeout with a sentence; the data

@@ -29,3 +29,19 @@ def test_kernel_may_keep_more_requests_in_flight(mounted):
         dev = next(line.split()[2].split(":")[1] for line in f if line.split()[4] == real)
     with open(f"/sys/fs/fuse/connections/{dev}/max_background") as f:
         assert int(f.read()) == 64
+
+
+def test_ctl_stats_json_is_what_the_tests_read(mounted):
+    """`cachefs-ctl stats --json` prints the daemon's stats as they are (the tests ask the
+    control socket in-process, conftest.Mount.stats)."""
+    import json
+    import subprocess
+
+    from tests.conftest import CTL
+    out = subprocess.run([*CTL, "stats", str(mounted.mnt), "--json"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    asked = mounted.stats()
+    assert set(printed) == set(asked)
+    assert printed["mode"] == asked["mode"] and printed["cache_size"] == asked["cache_size"]
