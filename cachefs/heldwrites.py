@@ -233,18 +233,14 @@ class HeldWrites:
         (write-back) or are copied to BACKING (write-through). An open that wrote nothing
         through a mapping costs a read of the cache file and nothing on BACKING.
 
-        Write-back waits for a destage pass of the file in flight: it read its blocks
-        before the mapping's last writes, and cleans them when done (which voids their
-        baseline). Taken before that, a block dirty then was left to the pass and turned
-        clean with its older bytes (a test's hung BACKING; write-through's copy takes the
-        lock itself)."""
-        if not self.write_back:
-            await self._sync_back(cf)
-            return
-        async with self._s.file_lock(cf):
-            await self._sync_back(cf)
-
-    async def _sync_back(self, cf: CachedFile) -> None:
+        Write-back: the dirty blocks count as rewritten since the destager's snapshot
+        (`Extent.redirty`), as a write's do. A pass in flight read them before the
+        mapping's last writes; it cleaned them with those older bytes when done, and the
+        mapping's writes never reached BACKING (a test's hung BACKING). Marked before the
+        first await: a pass may end during the read of the digests."""
+        if self.write_back:
+            for x in cf.extents.values():
+                x.redirty |= x.dirty
         h = cf.held
         base, voided = h.baseline or {}, h.voided or set()
         h.baseline = h.voided = None
@@ -267,7 +263,6 @@ class HeldWrites:
                 m &= ~same_blocks(base[x.ext][2], now[x.ext], base[x.ext][1] & m)
             if m:
                 changed.append((x.ext, m))
-        self.stats.passthrough_syncs += 1
         nbytes = sum(popcount(m) for _, m in changed) * BLK_SIZE
         if self.write_back:
             for e, m in changed:
@@ -275,6 +270,7 @@ class HeldWrites:
                 self.persister.journal_dirtying(x.key)
                 self._s.map.write(cf, x, m, changed=False)
             self._unmark(cf, epoch)                             # with the dirty marks
+            self.stats.passthrough_syncs += 1
             log.info("inode %d: %d bytes in %d extents written through a shared mapping "
                      "are dirty", cf.ino, nbytes, len(changed))
             return
@@ -284,6 +280,7 @@ class HeldWrites:
             if h.voided is not None:            # a new O_RDWR open's baseline must not
                 h.voided.update(e for e, _ in changed)  # vouch for what BACKING lacks
             raise
+        self.stats.passthrough_syncs += 1       # counted once BACKING has it
 
     def _unmark(self, cf: CachedFile, epoch: int) -> None:
         """What a mapping wrote is dirty or in BACKING: the file's mark goes, unless an
