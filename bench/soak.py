@@ -77,6 +77,7 @@ class Soak:
              "--bs=4k", f"--size={FIO_MIB}M", f"--numjobs={FIO_JOBS}", "--ioengine=libaio",
              "--iodepth=8", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
              "--fsync_on_close=1", "--group_reporting", "--output-format=terse",
+             "--verify_state_save=0",
              *(["--verify_only"] if verify_only else [])])
         self.fio_done = True
 
