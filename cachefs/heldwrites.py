@@ -245,24 +245,7 @@ class HeldWrites:
         base, voided = h.baseline or {}, h.voided or set()
         h.baseline = h.voided = None
         epoch = h.epoch
-        todo = [(x, x.valid & ~x.dirty) for x in cf.extents.values() if x.valid & ~x.dirty]
-        check = [(x.ext, base[x.ext][1] & m) for x, m in todo
-                 if x.ext in base and x.ext not in voided and base[x.ext][0] is x]
-        try:
-            now = await trio.to_thread.run_sync(block_digests, self.cachefiles.path(cf.ino),
-                                                check) if check else {}
-        except OSError:
-            now = {}                            # every block counts as changed
-        changed: list[tuple[int, int]] = []     # (extent, blocks) that may differ from BACKING
-        for x, m in todo:
-            if cf.extents.get(x.ext) is not x:
-                continue                        # gone meanwhile (a truncate): nothing to copy
-            self._s.map.unsummed(cf, x, known=True)     # as the mapping left them
-            m &= x.valid & ~x.dirty
-            if x.ext in now:
-                m &= ~same_blocks(base[x.ext][2], now[x.ext], base[x.ext][1] & m)
-            if m:
-                changed.append((x.ext, m))
+        changed = await self._mapped_changes(cf, base, voided, ended=True)
         nbytes = sum(popcount(m) for _, m in changed) * BLK_SIZE
         if self.write_back:
             for e, m in changed:
@@ -282,6 +265,46 @@ class HeldWrites:
             raise
         self.stats.passthrough_syncs += 1       # counted once BACKING has it
 
+    async def checkpoint(self, cf: CachedFile) -> None:
+        """Write-through, a flush while an O_RDWR open of a held file is still there (a
+        program still mapping it, or one that msync'd and exited, its release not yet
+        taken): what its mappings changed so far is copied to BACKING now, so that the
+        flush leaves BACKING with what was written through the mount (it copied nothing:
+        a helper's fio hunt). The baseline and the file's mark stay for the mapping's end
+        (sync_back), which copies those blocks again with what is written later."""
+        h = cf.held
+        changed = await self._mapped_changes(cf, h.baseline or {}, set(h.voided or ()),
+                                             ended=False)
+        nbytes = sum(popcount(m) for _, m in changed) * BLK_SIZE
+        await self._copy_changed(cf, changed, nbytes, h.epoch, unmark=False)
+
+    async def _mapped_changes(self, cf: CachedFile, base: dict, voided: set, ended: bool
+                              ) -> list[tuple[int, int]]:
+        """(extent, blocks) of a held file's clean blocks that may differ from BACKING: their
+        bytes differ from the baseline `base`, or they have none (`voided`: the engine
+        changed their extent since). `ended`: no mapping is left, the blocks' checksums are
+        taken from the file as the mappings left it."""
+        todo = [(x, x.valid & ~x.dirty) for x in cf.extents.values() if x.valid & ~x.dirty]
+        check = [(x.ext, base[x.ext][1] & m) for x, m in todo
+                 if x.ext in base and x.ext not in voided and base[x.ext][0] is x]
+        try:
+            now = await trio.to_thread.run_sync(block_digests, self.cachefiles.path(cf.ino),
+                                                check) if check else {}
+        except OSError:
+            now = {}                            # every block counts as changed
+        changed: list[tuple[int, int]] = []
+        for x, m in todo:
+            if cf.extents.get(x.ext) is not x:
+                continue                        # gone meanwhile (a truncate): nothing to copy
+            if ended:
+                self._s.map.unsummed(cf, x, known=True)     # as the mapping left them
+            m &= x.valid & ~x.dirty
+            if x.ext in now:
+                m &= ~same_blocks(base[x.ext][2], now[x.ext], base[x.ext][1] & m)
+            if m:
+                changed.append((x.ext, m))
+        return changed
+
     def _unmark(self, cf: CachedFile, epoch: int) -> None:
         """What a mapping wrote is dirty or in BACKING: the file's mark goes, unless an
         O_RDWR open took the file again meanwhile (its mapping needs the mark: a kill -9
@@ -290,12 +313,13 @@ class HeldWrites:
             self.store.queue_meta(f"{MAPPED}{cf.ino}", None)
 
     async def _copy_changed(self, cf: CachedFile, changed: list[tuple[int, int]],
-                            nbytes: int, epoch: int) -> None:
+                            nbytes: int, epoch: int, unmark: bool = True) -> None:
         async with self._s.file_lock(cf):
             spans_ = [(start, min(end, cf.size)) for start, end in byte_runs(changed)
                       if start < cf.size]
             if not spans_:
-                self._unmark(cf, epoch)                             # nothing for BACKING
+                if unmark:
+                    self._unmark(cf, epoch)                         # nothing for BACKING
                 log.info("inode %d: a shared mapping changed nothing BACKING lacks", cf.ino)
                 return
             cf.writes_inflight += 1
@@ -305,7 +329,8 @@ class HeldWrites:
                                                    spans_)
             finally:
                 cf.writes_inflight -= 1
-            self._unmark(cf, epoch)                     # BACKING has it (or no file)
+            if unmark:
+                self._unmark(cf, epoch)                 # BACKING has it (or no file)
             if st is not None:
                 self._c.own_change(cf, st, size_exact=False)
                 self.stats.backing_write_ops += 1

@@ -507,11 +507,15 @@ class OpenModes:
         BACKING (write-through) or turns dirty (write-back). A flush does this first, so
         that it destages the mapping's bytes, and so does the unmount (a file still mapped
         then, after a lazy unmount, keeps its mark: the next mount takes it as written).
-        In write-back a file an O_RDWR open still has (a mapping may be writing it now) is
-        made dirty whole, so that the flush destages what its mapping wrote so far."""
-        for h in self.held.values():
+        A file an O_RDWR open still has (a mapping may be writing it now, or its release
+        is on its way) is made dirty whole in write-back, so that the flush destages what
+        its mappings wrote so far; write-through copies that to BACKING now (checkpoint)."""
+        for h in list(self.held.values()):
             if h.mapped_writable and h.writers and h.current:
-                self._s.mapping_wins(h.cf, "a flush")
+                if self._s.write_back:
+                    self._s.mapping_wins(h.cf, "a flush")
+                elif self._s.files.get(h.cf.ino) is h.cf and not h.cf.doomed:
+                    await self._writes.checkpoint(h.cf)
         wrote = {ino: h.generation for ino, h in self.held.items()
                  if h.mapped_writable and not h.writers}
         if not wrote:

@@ -299,3 +299,29 @@ def test_a_mapping_write_during_a_destage_of_its_block_is_not_lost(make_mount, t
         finally:
             os.close(r)
         m.stop()
+
+
+def test_a_flush_copies_what_a_live_mapping_wrote_so_far(held, mode):
+    """Write-through: a flush while an O_RDWR open still maps the file (or a program that
+    msync'd and exited, its release not yet taken) copied nothing, and BACKING lacked the
+    mapping's bytes after the flush (a helper's fio hunt, ioengine=mmap beside a reader).
+    Write-back made the file dirty whole for that flush already."""
+    m, data, r = held
+    w = os.open(m.path("f"), os.O_RDWR)
+    try:
+        with mmap.mmap(w, 0) as mp:
+            mp[3 * MiB:3 * MiB + BLK] = data[3 * MiB:3 * MiB + BLK] = b"f" * BLK
+            mp.flush()
+            ctl_flush(m)
+            assert_same((m.backing / "f").read_bytes(), data, "BACKING after the flush")
+            mp[BLK:2 * BLK] = data[BLK:2 * BLK] = b"g" * BLK     # after it: at the end
+            mp.flush()
+    finally:
+        os.close(w)
+    before = m.stats()
+    wait_until(lambda: m.stats()["passthrough_syncs"] > before["passthrough_syncs"]
+               or (mode == "write-back" and m.stats()["dirty_bytes"] > 0), 10,
+               what="the mapping's end")
+    ctl_flush(m)
+    assert_same((m.backing / "f").read_bytes(), data, "BACKING at the end")
+    assert_same(os.pread(r, SIZE, 0), data, "the reader")
