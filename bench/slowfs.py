@@ -88,6 +88,8 @@ PARAMS: dict[str, Param] = {
     "enospc": Param(float, 0.0, 0, 1, "fault: fraction of writes failing with ENOSPC"),
     "hang": Param(_flag, 0, 0, 1, "fault: 1 = requests block until hang=0"),
     "offline": Param(_flag, 0, 0, 1, "fault: 1 = every request fails with EIO"),
+    "hang_truncate": Param(_flag, 0, 0, 1, "fault: 1 = size changes (truncate, O_TRUNC) "
+                           "block until hang_truncate=0; other requests go on"),
     "page_cache": Param(_flag, 0, 0, 1, "1 = opens use the kernel's page cache (allows "
                         "shared mappings, e.g. a SQLite database in WAL mode; requests may "
                         "then be absorbed by it)"),
@@ -471,6 +473,13 @@ def _make_operations():  # deferred so `stats`/`set` work without importing pyfu
 
         async def setattr(self, inode, attr, fields, fh, ctx):
             await self._meta()
+            if fields.update_size and self._p["hang_truncate"]:
+                self._hung += 1
+                try:
+                    while self._p["hang_truncate"]:
+                        await trio.sleep(0.02)
+                finally:
+                    self._hung -= 1
             try:
                 target = self._files[fh].fd if fh is not None else self._path(inode)
                 nofollow = {} if fh is not None else {"follow_symlinks": False}

@@ -471,24 +471,34 @@ class WritePath(HeldWrites, Allocations):
         if size > old_size and cf.held is not None:
             await self._reserve_held(cf, old_size, size)    # ENOSPC: nothing changed
         self._trim(cf, min(size, cf.size), cut_file=False)
+        shrinking = None
         if self.write_back and size < cf.size:
             # Shrinking: the new logical size and the dirty blocks gone past it are durable
             # before BACKING shrinks, so that after a crash the file is never longer than
             # BACKING's truncate left it with older dirty data past the end (the database
             # may still call such data dirty even when memory no longer does).
-            # Until the cache file is cut, its bytes past the new end are the old ones:
-            # writes to the file wait (a write past the end would expose them in the block
-            # holding it), so the cut can follow the commit (invariant I5 after a crash).
+            # Until the cache file is cut, its bytes past the new end are the old ones, and
+            # until BACKING is cut, its are: writes to the file wait for the whole shrink (a
+            # write past the end would expose them in the block holding it; one taken
+            # during BACKING's call, which an O_TRUNC open makes with no lock of the
+            # kernel's held, was trimmed away by its end: a helper's hunt). So the cut can
+            # follow the commit (invariant I5 after a crash), and writes follow the cut.
             cf.size = size
             cf.cutting = True
             self._s.persist_identity(cf)
-            cf.shrinking = trio.Event()
-            try:
+            shrinking = cf.shrinking = trio.Event()
+        try:
+            if shrinking is not None:
                 await self.persister.persist(durable=True)
                 self._trim(cf, size)        # again: promotions may have come meanwhile
-            finally:
-                cf.shrinking.set()
+            return await self._truncate_backing(cf, size, old_size, path, fd)
+        finally:
+            if shrinking is not None:
+                shrinking.set()
                 cf.shrinking = None
+
+    async def _truncate_backing(self, cf: CachedFile, size: int, old_size: int, path: bytes,
+                                fd: int | None) -> os.stat_result:
         cf.writes_inflight += 1
         cf.backing_unsynced = True
         try:

@@ -147,3 +147,59 @@ def test_a_write_back_shrink_past_what_backing_holds_reads_right_while_it_commit
     assert checked[0] > 100, checked[0]
     assert not bad, (len(bad), checked[0], bad[:5])
     assert p.stat().st_size == NEW_END and p.read_bytes() == bytes(NEW_END)
+
+
+@pytest.mark.parametrize("extra", [(), ("--no-passthrough",)])
+def test_a_write_during_an_o_trunc_opens_slow_backing_truncate_is_kept(make_mount, tmp_path,
+                                                                     extra):
+    """Write-back, BACKING's truncate slow (hung here). Process A opens a 1 MiB file with
+    O_TRUNC (the kernel holds no inode lock over it, unlike ftruncate); process B, which had
+    the file open with O_DIRECT, writes one block at 8 KiB and reads [0, 16 KiB). B's write
+    went on during BACKING's truncate: its read saw 12 KiB with BACKING's old bytes at
+    [0, 8 KiB), and once the truncate returned its end trimmed B's block away: the file was
+    empty, also after B's fsync (a helper's hunt, 10 of 10). Writes now wait for the whole
+    shrink, BACKING's included: truncate, then write."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from slowfs_client import mounted_slowfs
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    blk = 4096
+    (src / "f").write_bytes(os.urandom(1 << 20))
+    with mounted_slowfs(src, slow, latency_ms=0, jitter_ms=0) as sf:
+        m = make_mount("--mode", "write-back", "--attr-timeout", "0.2", "--cache-size", "64M",
+                       "--dirty-high", "48M", "--dirty-low", "40M", "--max-dirty-age", "1h",
+                       *extra, backing=slow)
+        buf = mmap.mmap(-1, 4 * blk)
+        b = os.open(m.path("f"), os.O_RDWR | os.O_DIRECT)
+        try:
+            done = []
+            t = threading.Thread(target=lambda: done.append(
+                os.close(os.open(m.path("f"), os.O_RDWR | os.O_TRUNC)) or 1))
+            sf.set(hang_truncate=1)
+            t.start()
+            seen = b""
+            try:
+                time.sleep(1.0)
+                assert not done, "the O_TRUNC open did not wait for BACKING"
+                w = threading.Thread(target=lambda: (buf.write(b"B" * blk), os.pwritev(
+                    b, [memoryview(buf)[:blk]], 2 * blk)))
+                w.start()
+                time.sleep(1.0)         # (it waits for the truncate now)
+            finally:
+                sf.set(hang_truncate=0)
+            t.join(30)
+            w.join(30)
+            assert done and not w.is_alive()
+            n = os.preadv(b, [buf], 0)
+            seen = bytes(buf[:n])
+            os.fsync(b)
+        finally:
+            os.close(b)
+        want = bytes(2 * blk) + b"B" * blk
+        assert seen == want, (len(seen), seen[:2 * blk] == bytes(2 * blk))
+        ctl_flush(m)
+        assert (src / "f").read_bytes() == want
+        m.stop()
