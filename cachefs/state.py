@@ -11,6 +11,7 @@ use it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ log = logging.getLogger("cachefs.cache")
 
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
 MAPPED = "mapped:"           # meta key prefix: a held file mapped shared and writable
+CUTS = "cut:"                # meta key prefix: a write-back shrink BACKING may not have yet
 CLOCK_REALTIME_COARSE = 5        # Linux: the clock file systems stamp times from
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
 CAPS = "caps:"               # meta key prefix of a capability awaiting a destage (set_caps)
@@ -137,6 +139,8 @@ class CacheState:
                 cf.caps = bytes.fromhex(value)
             else:
                 self.store.queue_meta(key, None)
+        for key, value in self.store.meta_items(CUTS).items():
+            self._complete_cut(key, value)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -163,6 +167,34 @@ class CacheState:
                         "capacity)", over, format_size(self.capacity_exts * EXT_SIZE))
         if doubt:
             log.warning("unclean stop: %d extents in doubt are treated as dirty", len(doubt))
+
+    def _complete_cut(self, key: str, value: str) -> None:
+        """A write-back shrink was made durable (the new size, the dirty blocks past it
+        gone) and BACKING's file may not have been cut when the daemon stopped: cut it now,
+        so that the file is the truncate's size and nothing older shows past it (the
+        recorded size alone was not kept: a kill -9 during BACKING's call brought a file
+        fsynced at 4.4 MiB and cut to 412 KiB back empty, or at its old length with bytes
+        older than its fsync: a helper's hunt). Kept for the next mount if BACKING fails."""
+        ino = int(key[len(CUTS):])
+        size, _, path_hex = value.partition(" ")
+        path, cf = bytes.fromhex(path_hex), self.files.get(ino)
+        try:
+            st = bp.truncate_stat(self.backing.root_fd, path, None, int(size), ino)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ESTALE, errno.ENOTDIR):
+                self.store.queue_meta(key, None)        # gone or moved: nothing to cut
+                return
+            log.error("inode %d (%s) was being cut to %s bytes at an unclean stop, and "
+                      "BACKING's file could not be cut (%s): the next mount tries again",
+                      ino, os.fsdecode(path or b"?"), size, exc)
+            return
+        self.store.queue_meta(key, None)
+        log.warning("unclean stop: inode %d (%s) was being cut to %s bytes; BACKING's file "
+                    "is cut now", ino, os.fsdecode(path or b"?"), size)
+        if cf is not None:
+            cf.identity = identity(st)
+            cf.size = st.st_size
+            self.persist_identity(cf)
 
     def _survived_unlink(self, cf: CachedFile) -> bool:
         """After a crash during an unlink: does BACKING still have this very file (same

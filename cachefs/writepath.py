@@ -25,7 +25,7 @@ from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask,
 from .allocate import Allocations
 from .heldwrites import HeldWrites
 from .hit import OpenFile
-from .state import CacheState
+from .state import CUTS, CacheState
 from .writeback import Destager
 
 
@@ -483,15 +483,30 @@ class WritePath(HeldWrites, Allocations):
             # during BACKING's call, which an O_TRUNC open makes with no lock of the
             # kernel's held, was trimmed away by its end: a helper's hunt). So the cut can
             # follow the commit (invariant I5 after a crash), and writes follow the cut.
+            # A mount after a crash completes the cut it finds recorded (CacheState
+            # ._complete_cut): the file never comes back at its old length with the dirty
+            # blocks past the new end gone, nor shorter than the new size.
             cf.size = size
             cf.cutting = True
             self._s.persist_identity(cf)
+            where = (path or cf.path or b"").hex()
+            self.store.queue_meta(f"{CUTS}{cf.ino}", f"{size} {where}")
             shrinking = cf.shrinking = trio.Event()
         try:
             if shrinking is not None:
                 await self.persister.persist(durable=True)
                 self._trim(cf, size)        # again: promotions may have come meanwhile
-            return await self._truncate_backing(cf, size, old_size, path, fd)
+            try:
+                st = await self._truncate_backing(cf, size, old_size, path, fd)
+            except OSError:
+                # BACKING refused it (the caller gets the error): no later mount may cut
+                # what the file gets after this.
+                if shrinking is not None:
+                    self.store.queue_meta(f"{CUTS}{cf.ino}", None)
+                raise
+            if shrinking is not None:
+                self.store.queue_meta(f"{CUTS}{cf.ino}", None)      # BACKING is cut
+            return st
         finally:
             if shrinking is not None:
                 shrinking.set()
