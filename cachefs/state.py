@@ -178,11 +178,21 @@ class CacheState:
         ino = int(key[len(CUTS):])
         size, _, path_hex = value.partition(" ")
         path, cf = bytes.fromhex(path_hex), self.files.get(ino)
+        paths = [p for p in dict.fromkeys((path, cf.path if cf is not None else None)) if p]
         try:
-            st = bp.truncate_stat(self.backing.root_fd, path, None, int(size), ino)
+            if not paths:
+                raise OSError(errno.ENOENT, "no path known")
+            for where in paths:         # the truncate's path, then where the file was renamed
+                try:
+                    st = bp.truncate_stat(self.backing.root_fd, where, None, int(size), ino)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ESTALE, errno.ENOTDIR) \
+                            or where is paths[-1]:
+                        raise
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ESTALE, errno.ENOTDIR):
-                self.store.queue_meta(key, None)        # gone or moved: nothing to cut
+                self.store.queue_meta(key, None)        # gone: nothing to cut
                 return
             log.error("inode %d (%s) was being cut to %s bytes at an unclean stop, and "
                       "BACKING's file could not be cut (%s): the next mount tries again",
