@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +56,22 @@ def assert_same(got: bytes, want: bytes, what: str) -> None:
                      min(len(got), len(want)))
         raise AssertionError(f"{what}: {len(got)} bytes, {len(want)} expected; the first "
                              f"difference at byte {first}")
+
+
+def _slow_source(tmp_path, size: int):
+    """(BACKING's source directory with `size` random bytes in f, the slowfs mount point,
+    those bytes, bench/'s mounted_slowfs) for a test over a slow BACKING."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from slowfs_client import mounted_slowfs
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    data = bytearray(os.urandom(size))
+    (src / "f").write_bytes(data)
+    return src, slow, data, mounted_slowfs
 
 
 def settled(m, before: dict) -> dict:
@@ -197,19 +216,8 @@ def test_an_o_rdwr_open_during_the_last_ones_copy_keeps_its_mark(make_mount, tmp
     when done, removed the file's mark B's open had put back, so a kill -9 while B mapped
     the file left B's bytes in the cache file as clean data BACKING never got (a helper's
     hunt; in write-back the window is the read of the cache file)."""
-    reason = _available()
-    if reason:
-        pytest.skip(reason)
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from slowfs_client import mounted_slowfs
-    src, slow = tmp_path / "src", tmp_path / "slow"
-    src.mkdir()
-    slow.mkdir()
     size = 4 * MiB
-    data = bytearray(os.urandom(size))
-    (src / "f").write_bytes(data)
+    src, slow, data, mounted_slowfs = _slow_source(tmp_path, size)
     with mounted_slowfs(src, slow, latency_ms=0, jitter_ms=0) as sf:
         m = make_mount("--attr-timeout", "0.2", backing=slow)
         cache_fully(m, "f", size)
@@ -251,22 +259,10 @@ def test_a_mapping_write_during_a_destage_of_its_block_is_not_lost(make_mount, t
     dirty whole (an O_RDWR open was mapping it) and the pass read block 1 before the mapping
     wrote it. The mapping's end was taken while the pass was still out (block 1 dirty: left
     to the destager), then the pass cleaned block 1 with its older bytes: BACKING never got
-    the mapping's write, and an eviction would lose it. The end of a mapping now waits for a
-    pass in flight (whose clean voids the block's baseline: it counts as written)."""
-    reason = _available()
-    if reason:
-        pytest.skip(reason)
-    import sys
-    import threading
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from slowfs_client import mounted_slowfs
-    src, slow = tmp_path / "src", tmp_path / "slow"
-    src.mkdir()
-    slow.mkdir()
+    the mapping's write, and an eviction would lose it. The end of a mapping now marks the
+    file's dirty blocks rewritten since the pass's snapshot (redirty), as a write does."""
     size = MiB
-    data = bytearray(os.urandom(size))
-    (src / "f").write_bytes(data)
+    src, slow, data, mounted_slowfs = _slow_source(tmp_path, size)
     with mounted_slowfs(src, slow, latency_ms=0, jitter_ms=0) as sf:
         m = make_mount("--mode", "write-back", "--attr-timeout", "0.2", "--cache-size", "64M",
                        "--dirty-high", "48M", "--dirty-low", "40M", "--max-dirty-age", "1h",
