@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import ctl_flush, wait_until
-from tests.mount.test_passthrough import MiB, _available, cache_fully, open_passthrough
+from tests.mount.test_passthrough import (MiB, _available, _slow_source, cache_fully,
+                                          open_passthrough)
 
 pytestmark = pytest.mark.fuse
 
@@ -56,22 +55,6 @@ def assert_same(got: bytes, want: bytes, what: str) -> None:
                      min(len(got), len(want)))
         raise AssertionError(f"{what}: {len(got)} bytes, {len(want)} expected; the first "
                              f"difference at byte {first}")
-
-
-def _slow_source(tmp_path, size: int):
-    """(BACKING's source directory with `size` random bytes in f, the slowfs mount point,
-    those bytes, bench/'s mounted_slowfs) for a test over a slow BACKING."""
-    reason = _available()
-    if reason:
-        pytest.skip(reason)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from slowfs_client import mounted_slowfs
-    src, slow = tmp_path / "src", tmp_path / "slow"
-    src.mkdir()
-    slow.mkdir()
-    data = bytearray(os.urandom(size))
-    (src / "f").write_bytes(data)
-    return src, slow, data, mounted_slowfs
 
 
 def settled(m, before: dict) -> dict:

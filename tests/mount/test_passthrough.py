@@ -40,6 +40,22 @@ def _available() -> str | None:
     return None
 
 
+def _slow_source(tmp_path, size: int):
+    """(BACKING's source directory with `size` random bytes in f, the slowfs mount point,
+    those bytes, bench/'s mounted_slowfs) for a test over a slow BACKING."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from slowfs_client import mounted_slowfs
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    data = bytearray(os.urandom(size))
+    (src / "f").write_bytes(data)
+    return src, slow, data, mounted_slowfs
+
+
 needs_passthrough = pytest.mark.skipif(_available() is not None,
                                        reason=str(_available()))
 
@@ -518,15 +534,7 @@ def test_a_failing_backing_at_the_copy_back_keeps_the_mount(make_mount, tmp_path
     """Write-through: copying a mapping's writes to BACKING failed with EIO, and the error
     left the task that lets held files go, which ended the daemon. It is logged and tried
     again until BACKING takes it."""
-    if _available():
-        pytest.skip(_available())
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from slowfs_client import mounted_slowfs
-    src, slow = tmp_path / "src", tmp_path / "slow"
-    src.mkdir()
-    slow.mkdir()
-    data = bytearray(os.urandom(MiB))
-    (src / "f").write_bytes(data)
+    src, slow, data, mounted_slowfs = _slow_source(tmp_path, MiB)
     with mounted_slowfs(src, slow, latency_ms=0, jitter_ms=0) as sf:
         m = make_mount("--attr-timeout", "0.2", backing=slow)
         cache_fully(m, "f", len(data))
