@@ -51,7 +51,12 @@ class Allocations:
         if mode & _ZEROING:
             self.stats.zeroed_bytes += max(0, min(end, cf.size) - off)
         if not mode & _ZEROING:
-            await self._backing_fallocate(of, FALLOC_FL_KEEP_SIZE, off, size)
+            moved = await self._backing_fallocate(of, FALLOC_FL_KEEP_SIZE, off, size)
+            if moved and cf.dirty_exts:
+                # BACKING's mtime moved (ext4's does), and the mount shows the time its
+                # dirty data is to get: that one moves too, or the next destage would put
+                # the older one back (rsync -a and make miss the change: a helper's hunt).
+                self._s.written_now(cf)
         elif cf.held is not None:
             await self._zero_held(of, off, min(end, cf.size))
         else:
@@ -60,9 +65,11 @@ class Allocations:
         if not mode & FALLOC_FL_KEEP_SIZE and end > cf.size:
             await self.truncate(cf.ino, end, b"", of.backing_fd)     # through the fd
 
-    async def _backing_fallocate(self, of: OpenFile, mode: int, off: int, size: int) -> None:
-        """BACKING's fallocate, as an own change of the file (its times move)."""
+    async def _backing_fallocate(self, of: OpenFile, mode: int, off: int, size: int) -> bool:
+        """BACKING's fallocate, as an own change of the file (its times move). True if
+        BACKING's mtime is not the one known before."""
         cf = of.cfile
+        known = cf.identity
         cf.writes_inflight += 1
         cf.backing_unsynced = True
         try:
@@ -71,6 +78,7 @@ class Allocations:
         finally:
             cf.writes_inflight -= 1
         self._c.own_change(cf, st, size_exact=False)
+        return known is None or st.st_mtime_ns != known[2]
 
     async def _zero_range(self, of: OpenFile, mode: int, off: int, end: int) -> None:
         """Punch or zero [off, end) in BACKING, then in the cache (the file's lock held:

@@ -252,6 +252,12 @@ class HeldWrites:
                 x = cf.extents[e]
                 self.persister.journal_dirtying(x.key)
                 self._s.map.write(cf, x, m, changed=False)
+            if changed:
+                # The file changed: its mtime moves, the one its destage gives BACKING
+                # too (it stayed the one before: rsync -a and make missed the change, a
+                # helper's hunt). Blocks that were dirty already and that the mapping
+                # rewrote are not seen here; their writes through the daemon moved it.
+                self._s.written_now(cf)
             self._unmark(cf, epoch)                             # with the dirty marks
             self.stats.passthrough_syncs += 1
             log.info("inode %d: %d bytes in %d extents written through a shared mapping "

@@ -12,6 +12,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -167,6 +168,39 @@ def test_a_backing_without_fallocate_says_so_and_changes_nothing(make_mount, tmp
     finally:
         force_unmount(bare)
         proc.wait(timeout=30)
+
+
+def _mtime_moved_by_fallocate(path, mode: int) -> tuple[bool, int]:
+    """Write 256 KiB at the start and at 1 MiB of the file at `path`, then fallocate the
+    hole between: whether its mtime moved (on a coarse clock: 50 ms apart), and the mtime
+    after."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, os.urandom(256 * KiB))
+        os.pwrite(fd, os.urandom(256 * KiB), 1024 * KiB)
+        before = os.fstat(fd).st_mtime_ns
+        time.sleep(0.05)
+        fallocate(fd, mode, 512 * KiB, 256 * KiB)
+        after = os.fstat(fd).st_mtime_ns
+        return after != before, after
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("fmode", [0, KEEP], ids=["default", "keep-size"])
+def test_fallocate_of_a_file_with_dirty_data_moves_its_mtime_as_backing_does(
+        fa_mount, tmp_path, mode, fmode):
+    """Write-back kept the time of the last write for the destage to give BACKING: a
+    fallocate that moved BACKING's mtime (ext4's does) showed and kept the older one
+    (a helper's differential hunt; rsync -a and make then miss the change)."""
+    m = fa_mount
+    plain_moved, _ = _mtime_moved_by_fallocate(tmp_path / "plain", fmode)
+    moved, shown = _mtime_moved_by_fallocate(m.path("f"), fmode)
+    assert moved == plain_moved
+    time.sleep(0.3)                             # past --attr-timeout
+    assert os.stat(m.path("f")).st_mtime_ns == shown
+    ctl_flush(m)
+    assert os.stat(m.backing / "f").st_mtime_ns == shown
 
 
 def test_a_fsynced_punch_of_dirty_data_survives_kill9(make_mount):

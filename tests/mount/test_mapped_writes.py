@@ -105,6 +105,30 @@ def test_a_mapping_that_changes_one_block_costs_one_block(held, mode):
     assert_same(os.pread(r, SIZE, 0), data, "the reader")
 
 
+def test_a_mapping_write_moves_the_mtime_and_backing_gets_it(held, mode):
+    """Write-back turned the blocks a mapping changed dirty but kept the file's mtime: the
+    mount showed the one from before, and so did BACKING after the destage (a helper's
+    differential hunt: ext4 and write-through move it; rsync -a and make miss the change)."""
+    m, data, _ = held
+    before_mtime = os.stat(m.path("f")).st_mtime_ns
+    time.sleep(0.05)
+    before = m.stats()
+    w = os.open(m.path("f"), os.O_RDWR)
+    try:
+        with mmap.mmap(w, 0) as mp:
+            mp[10:20] = b"x" * 10
+            mp.flush()
+    finally:
+        os.close(w)
+    settled(m, before)
+    time.sleep(0.3)                             # past --attr-timeout
+    shown = os.stat(m.path("f"))
+    assert shown.st_mtime_ns > before_mtime
+    assert shown.st_ctime_ns >= shown.st_mtime_ns
+    ctl_flush(m)
+    assert os.stat(m.backing / "f").st_mtime_ns == os.stat(m.path("f")).st_mtime_ns
+
+
 def test_bytes_a_mapping_puts_back_after_a_write_through_the_daemon_reach_backing(held, mode):
     """A write through the daemon changes a block (BACKING gets it: write-through at once,
     write-back by a destage), then the mapping writes the block's bytes of the open back: its
