@@ -19,7 +19,7 @@ import threading
 from typing import Iterator
 
 from .libc import libc
-from .statx import fresh_fstat
+from .statx import birth_ns, fresh_fstat
 
 
 # -- paths: relative to a descriptor of BACKING's root ----------------------------------------
@@ -72,12 +72,15 @@ def open_at(root: int, rel: bytes, flags: int, mode: int = 0o777) -> int:
         return os.open(r, flags, mode, dir_fd=dfd)
 
 
-def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes, ...] = ()
-                ) -> int:
+def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes, ...] = (),
+                birth: int = 0) -> int:
     """Open BACKING's file with inode `ino` for writing: at its path hint (relative to
     BACKING's root fd; older caches stored absolute paths under one of `root_paths`), or
     found by a walk of BACKING (it was renamed while cachefs was down). -1 if it no longer
-    exists: two walks in a row did not find it."""
+    exists: two walks in a row did not find it, or the file with that number has another
+    birth time than `birth` (0: unknown): it was deleted, and a new file got its number
+    (ext4 reuses them at once; its dirty data went into that unrelated file: a helper's
+    hunt)."""
     if hint and hint.startswith(b"/"):
         prefixes = [p.rstrip(b"/") + b"/" for p in root_paths]
         hint = next((hint[len(p):] for p in prefixes if hint.startswith(p)), None)
@@ -89,7 +92,7 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
                 raise
         else:
             if os.fstat(fd).st_ino == ino:
-                return fd
+                return _born(fd, birth)
             os.close(fd)
     # A walk can miss a file renamed meanwhile from a directory not yet walked into one
     # already walked; -1 throws the file's dirty data away, so it takes two walks that miss.
@@ -101,8 +104,22 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
                 except FileNotFoundError:
                     continue
                 if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
-                    return os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
+                    return _born(os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd), birth)
     return -1
+
+
+def _born(fd: int, birth: int) -> int:
+    """`fd`, or -1 (closed) if its file's birth time is known and not `birth` (if known)."""
+    if birth:
+        try:
+            now = birth_ns(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if now and now != birth:
+            os.close(fd)
+            return -1
+    return fd
 
 
 def lstat(root: int, rel: bytes) -> os.stat_result:

@@ -31,7 +31,7 @@ from .stats import Stats
 from .store import MetadataStore
 from .writeback import Destager, plan_destage
 from .openmode import OpenModes
-from .statx import dio_align
+from .statx import birth_ns, dio_align
 from .writepath import WritePath
 
 log = logging.getLogger("cachefs.cache")
@@ -167,6 +167,7 @@ class Cache:
         want_direct = self._direct_twins and flags & os.O_ACCMODE != os.O_RDONLY
         readable = True
         opened = None
+        birth = self.write_back and flags & os.O_ACCMODE != os.O_RDONLY
         if self.write_back and flags & os.O_ACCMODE == os.O_WRONLY:
             # A sub-block write-back write into a block not cached reads BACKING's bytes
             # of that block: open BACKING read-write if BACKING lets us (else such writes
@@ -174,13 +175,13 @@ class Cache:
             try:
                 opened = await self.backing.read_call(
                     "open", _open_fstat, self.backing.root_fd, path,
-                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, False)
+                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, False, True)
             except PermissionError:
                 readable = False
         if opened is None:
             opened = await self.backing.read_call("open", _open_fstat, self.backing.root_fd,
-                                                  path, bflags, want_direct)
-        fd, st, dfd = opened
+                                                  path, bflags, want_direct, birth)
+        fd, st, dfd, born = opened
         now = self.files.get(ino)
         if st.st_ino != ino or (now is not before and before is not None) or \
                 not st.st_nlink and (now is None or not now.doomed) and (named or self.write_back):
@@ -201,6 +202,8 @@ class Cache:
             # read the cache file with O_DIRECT?)
             dio = await self.backing.read_call("open", dio_align, fd)
         cf = self.state.file_for(ino, st)
+        if born:
+            self.state.born(cf, born)
         if not st.st_nlink:
             cf.doomed = True            # no name: its data goes at the last release
         known = cf.identity
@@ -278,20 +281,21 @@ class Cache:
         if self.write_back and not readable:
             try:                # as in open(): fills of sub-block writes read through it
                 opened = await self.backing.write_call(
-                    bp.create, self.backing.root_fd, path,
-                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid, parent, umask)
+                    _create_twin, self.backing.root_fd, path,
+                    (bflags & ~os.O_ACCMODE) | os.O_RDWR, mode, uid, gid, parent, umask,
+                    False, True)
                 readable = True
             except PermissionError:
                 pass
-        dfd = -1
         if opened is None:          # write-through: the O_DIRECT twin in the same thread call
-            fd, st, dfd = await self.backing.write_call(
+            opened = await self.backing.write_call(
                 _create_twin, self.backing.root_fd, path, bflags, mode, uid, gid, parent,
-                umask, self._direct_twins)
-        else:
-            fd, st = opened
+                umask, self._direct_twins, self.write_back)
+        fd, st, dfd, born = opened
         ino = remember(st)
         cf = self.state.file_for(ino)
+        if born:
+            self.state.born(cf, born)
         self.coherence.revalidate(cf, st)
         cf.path = path
         cf.backing_unsynced = True      # write-back: its first fsync makes BACKING's file durable
@@ -456,9 +460,7 @@ class Cache:
 
     def discard_orphan(self, cf: CachedFile) -> None:
         """Dirty data of a file BACKING no longer has (removed while we were down)."""
-        log.warning("BACKING inode %d (last seen as %s) no longer exists; discarding its %d "
-                    "dirty extents", cf.ino, os.fsdecode(cf.path or b"?"), cf.dirty_exts)
-        self.state.drop_file(cf)
+        self.state.orphaned(cf, "no longer exists (or another file has its number now)")
 
     def file_state(self, ino: int) -> CachedFile:
         """The cache state of inode `ino`, made if needed (revalidate it before use)."""
@@ -475,17 +477,26 @@ class Cache:
 
 
 def _create_twin(root: int, path: bytes, flags: int, mode: int, uid: int, gid: int,
-                 parent: bytes, umask: int, want_direct: bool
-                 ) -> tuple[int, os.stat_result, int]:
+                 parent: bytes, umask: int, want_direct: bool, birth: bool = False
+                 ) -> tuple[int, os.stat_result, int, int]:
+    """bp.create, the O_DIRECT twin if `want_direct`, the birth time (0) if `birth`."""
     fd, st = bp.create(root, path, flags, mode, uid, gid, parent, umask)
-    return fd, st, aio.open_direct(fd) if want_direct else -1
+    try:
+        return (fd, st, aio.open_direct(fd) if want_direct else -1,
+                birth_ns(fd) if birth else 0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool
-                ) -> tuple[int, os.stat_result, int]:
+def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool, birth: bool = False
+                ) -> tuple[int, os.stat_result, int, int]:
+    """The open, its fstat, the O_DIRECT twin if `want_direct`, the birth time (0) if
+    `birth` (write-back: the file may turn dirty through it, CacheState.persist_birth)."""
     fd = bp.open_at(root, path, flags)
     try:
-        return fd, os.fstat(fd), aio.open_direct(fd) if want_direct else -1
+        return (fd, os.fstat(fd), aio.open_direct(fd) if want_direct else -1,
+                birth_ns(fd) if birth else 0)
     except BaseException:
         os.close(fd)
         raise

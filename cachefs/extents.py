@@ -96,7 +96,7 @@ class CachedFile:
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
-                 "kernel_stale", "attrs_stale", "atime_read", "caps")
+                 "kernel_stale", "attrs_stale", "atime_read", "caps", "birth")
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -115,6 +115,7 @@ class CachedFile:
         self.dirty_exts = 0                # extents with dirty blocks
         self.atime_read: tuple[int, int, int] | None = None  # cache.atime_due's last
         self.caps: bytes | None = None     # security.capability set after the last write
+        self.birth = 0                     # BACKING's birth time of the file (ns), 0: unknown
         # ext -> {id: [block mask, tainted mask]} of write-through writes in flight: a block
         # two of them touched at once has an unknown last writer in BACKING (tainted)
         self.wtrack: dict[int, dict[int, list[int]]] = {}

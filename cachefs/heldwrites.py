@@ -203,6 +203,7 @@ class HeldWrites:
         h.epoch += 1
         if self.write_back and cf.wb_fd < 0:
             cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
+            self._s.persist_birth(cf)
 
     async def take_baseline(self, cf: CachedFile) -> None:
         """The 128-bit digests of the clean blocks of a file a mapping may now write (their

@@ -43,6 +43,7 @@ CLOCK_REALTIME_COARSE = 5        # Linux: the clock file systems stamp times fro
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
 CAPS = "caps:"               # meta key prefix of a capability awaiting a destage (set_caps)
 CTIMES = "ctime:"            # meta key prefix of a ctime shown over a destage's (mask_ctime)
+BIRTHS = "birth:"            # meta key prefix: BACKING's birth time of a file with dirty data
 CTIMES_KEPT = 65536          # files whose ctime is shown over a destage's, at most
 SSD_FULL_HOLD_S = 2.0       # after an out-of-space error: no promotions, writes go around
 
@@ -55,6 +56,7 @@ class CacheState:
         self.backing = backing
         self.stats = stats
         self.write_back = cfg.mode == "write-back"
+        self._root_paths = (os.fsencode(cfg.backing), os.fsencode(os.path.realpath(cfg.backing)))
         self.capacity_exts = capacity_exts
         self.target_exts = capacity_exts         # the pool size asked for (capacity may shrink)
         self.files: dict[int, CachedFile] = {}
@@ -139,8 +141,16 @@ class CacheState:
                 cf.caps = bytes.fromhex(value)
             else:
                 self.store.queue_meta(key, None)
+        for key, value in self.store.meta_items(BIRTHS).items():
+            cf = self.files.get(int(key[len(BIRTHS):]))
+            if cf is not None and cf.dirty_exts:
+                cf.birth = int(value)
+            else:
+                self.store.queue_meta(key, None)
         for key, value in self.store.meta_items(CUTS).items():
             self._complete_cut(key, value)
+        for cf in [cf for cf in self.files.values() if cf.dirty_exts and cf.birth]:
+            self._bind_dirty(cf)
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -167,6 +177,56 @@ class CacheState:
                         "capacity)", over, format_size(self.capacity_exts * EXT_SIZE))
         if doubt:
             log.warning("unclean stop: %d extents in doubt are treated as dirty", len(doubt))
+
+    def _bind_dirty(self, cf: CachedFile) -> None:
+        """At mount, a file with dirty data whose birth time is known: open BACKING's file
+        (found by its inode number) for the destager, now. Not there, or another file has
+        its number (deleted while cachefs was down, and ext4 gave a new file the number:
+        its dirty data went into that unrelated file, and a lookup of the new file took it
+        for a change behind the cache: a helper's hunt), its data goes, logged and counted.
+        The descriptor is held while the file is dirty: its number cannot go to another
+        file meanwhile. BACKING failing: the destager tries later, as before."""
+        try:
+            fd = bp.open_by_ino(self.backing.root_fd, cf.path, cf.ino, self._root_paths,
+                                cf.birth)
+        except OSError as exc:
+            log.warning("inode %d (%s) holds dirty data, and BACKING's file could not be "
+                        "opened at mount (%s): the destager tries again", cf.ino,
+                        os.fsdecode(cf.path or b"?"), exc)
+            return
+        if fd < 0:
+            self.orphaned(cf, "no longer exists (or another file has its number now)")
+        else:
+            cf.wb_fd = fd
+
+    def orphaned(self, cf: CachedFile, why: str) -> None:
+        """The file of dirty data is gone from BACKING: its data goes (reason: orphan)."""
+        self.stats.drop_orphan += len(cf.extents)
+        log.warning("BACKING inode %d (last seen as %s) %s; discarding its %d cached extents, "
+                    "%d of them dirty (reason: orphan)", cf.ino, os.fsdecode(cf.path or b"?"),
+                    why, len(cf.extents), cf.dirty_exts)
+        self.drop_file(cf)
+
+    def born(self, cf: CachedFile, birth: int) -> None:
+        """An open found BACKING's file with birth time `birth`. Another one than recorded:
+        the file of the cached data was deleted and this one got its number (the data goes
+        first, so that nothing of it reaches or shows in this file)."""
+        if cf.birth and cf.birth != birth and (cf.extents or cf.fills):
+            if cf.dirty_exts:
+                self.orphaned(cf, "was replaced by another file with its number")
+            else:
+                self.stats.stale_files += 1
+                self.stats.drop_coherence += len(cf.extents)
+                log.info("BACKING inode %d is another file now (another birth time); "
+                         "dropping %d cached extents (reason: coherence)", cf.ino,
+                         len(cf.extents))
+                self.drop_file(cf)
+        cf.birth = birth
+
+    def persist_birth(self, cf: CachedFile) -> None:
+        """The file turns dirty: its birth time goes with its dirty data (_bind_dirty)."""
+        if cf.birth:
+            self.store.queue_meta(f"{BIRTHS}{cf.ino}", str(cf.birth))
 
     def _complete_cut(self, key: str, value: str) -> None:
         """A write-back shrink was made durable (the new size, the dirty blocks past it
@@ -293,6 +353,7 @@ class CacheState:
         self.map.drop_file(cf)
         self.admission.forget_file(cf.ino)
         self.store.queue_meta(UNLINKING + str(cf.ino), None)
+        self.store.queue_meta(BIRTHS + str(cf.ino), None)
         if cf.held is not None and cf.held.current:
             # The kernel reads this cache file by itself (passthrough opens, mappings):
             # unlink it rather than empty it; they keep their bytes, no zeros appear.

@@ -41,6 +41,7 @@ COUNTERS = (
     "drop_operator",                       # cachefs-ctl drop
     "drop_cache_error",                    # the SSD failed a read or write of the extent
     "drop_checksum",                       # extents with clean blocks failing their checksums
+    "drop_orphan",                         # of a file with dirty data BACKING no longer has
     # integrity.py: cached blocks failing their checksums, and blocks checked by verify/scrub
     "checksum_errors", "checksum_dirty_errors", "verified_blocks", "scrubs",
     "prefetched_bytes",                    # loaded by cachefs-ctl prefetch/pin and pin re-loads
@@ -59,7 +60,8 @@ COUNTERS = (
                                            # made dirty (write-back) or copied to BACKING
     "drop_skipped_passthrough",            # extents cachefs-ctl drop left: held by passthrough
 )
-DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error", "checksum")
+DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error", "checksum",
+                "orphan")
 
 
 class Stats:

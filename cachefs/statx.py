@@ -20,6 +20,7 @@ AT_EMPTY_PATH = 0x1000
 AT_STATX_FORCE_SYNC = 0x2000
 STATX_BASIC_STATS = 0x7FF
 STATX_DIOALIGN = 0x2000
+STATX_BTIME = 0x800
 
 
 class _Ts(ctypes.Structure):
@@ -76,6 +77,19 @@ def fresh_fstat(fd: int) -> os.stat_result:
          "st_atime_ns": at, "st_mtime_ns": mt, "st_ctime_ns": ct,
          "st_blksize": buf.blksize, "st_blocks": buf.blocks,
          "st_rdev": os.makedev(buf.rdev_major, buf.rdev_minor)})
+
+
+def birth_ns(fd: int) -> int:
+    """The birth time of the file open as `fd` in ns (statx STATX_BTIME: ext4, xfs, btrfs,
+    tmpfs...), or 0 where its filesystem does not say (NFSv3, most FUSE filesystems). A file
+    that took the inode number of a deleted one has another (state.CacheState.bind_dirty)."""
+    if _statx is None:
+        return 0
+    buf = _Statx()
+    if _statx(fd, b"", AT_EMPTY_PATH, STATX_BTIME, ctypes.byref(buf)) != 0 or \
+            not buf.mask & STATX_BTIME:
+        return 0
+    return buf.btime.tv_sec * 1_000_000_000 + buf.btime.tv_nsec or 0
 
 
 def dio_align(fd: int) -> tuple[int, int]:

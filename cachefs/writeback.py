@@ -293,7 +293,7 @@ class Destager:
                 try:
                     fd = await self._backing.write_call(bp.open_by_ino, self._backing.root_fd,
                                                         cf.path, cf.ino, self._root_paths,
-                                                        abandon_on_cancel=True)
+                                                        cf.birth, abandon_on_cancel=True)
                 except OSError as exc:
                     self._failed(cf, exc)
                     return

@@ -157,6 +157,7 @@ class WritePath(HeldWrites, Allocations):
         self._s.written_now(cf)                 # the mtime BACKING gets after the destage
         if cf.wb_fd < 0:
             cf.wb_fd = os.dup(of.backing_fd)    # the destager's writable BACKING fd
+            self._s.persist_birth(cf)           # with the file's first dirty data
         self.stats.write_ops += 1
         self.stats.write_bytes += len(data)
         if grew or of.flags & (os.O_SYNC | os.O_DSYNC):
