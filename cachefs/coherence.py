@@ -14,7 +14,7 @@ import os
 
 import trio
 
-from .extents import FULL_MASK, CachedFile, identity
+from .extents import BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, identity
 from .state import CacheState
 
 log = logging.getLogger("cachefs.cache")
@@ -86,7 +86,10 @@ class Coherence:
         if cf.dirty_exts:
             self._conflict(cf, ident)
             cf.identity = ident
-            cf.size = max(cf.size, st.st_size)
+            # BACKING's file with the dirty blocks over it: its size, or as far as they go.
+            # (The old size stayed: a file BACKING shrank showed its old length, with zeros
+            # where the dropped clean data had been, until a destage cut it: a helper's hunt.)
+            cf.size = max(st.st_size, _dirty_end(cf))
             self._s.persist_identity(cf)
             return False
         if cf.identity is not None and (cf.extents or cf.fills):
@@ -212,3 +215,12 @@ class Coherence:
             self.change_seq += 1
             cf.identity = ident
             self._s.persist_identity(cf)
+
+
+def _dirty_end(cf: CachedFile) -> int:
+    """Where the file's dirty blocks end (at most its size)."""
+    end = 0
+    for x in cf.extents.values():
+        if x.dirty:
+            end = max(end, (x.ext << EXT_SHIFT) + (x.dirty.bit_length() << BLK_SHIFT))
+    return min(end, cf.size)

@@ -3,6 +3,7 @@ write-through, close-to-open holds both ways, also for a file the reader holds c
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -67,6 +68,37 @@ def test_write_back_host_reports_a_conflict_with_another_host(make_mount):
     assert s["stale_files"] == 1                       # a file changed behind the cache too
     assert "conflict: BACKING inode" in a.logs[-1].read_text()
     a.stop(check=False)                                # the WARNING is expected
+
+
+@pytest.mark.parametrize("when", ["mounted", "unmounted"])
+def test_a_file_shrunk_behind_dirty_data_shows_its_new_size_with_the_dirty_blocks(
+        make_mount, when):
+    """BACKING's file is rewritten shorter behind a write-back cache holding dirty data of
+    it (here, or while cachefs is down): the dirty blocks win over the new file, which
+    keeps its new size where they end before it. The mount showed the old size, with zeros
+    where the dropped clean data had been, until a destage cut it (a helper's hunt, 8 of 8)."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "1h", "--dirty-high", "48M",
+                   "--dirty-low", "40M", "--attr-timeout", "0.2")
+    (m.backing / "f").write_bytes(os.urandom(200_000))
+    fd = os.open(m.path("f"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"D" * 8192, 65536)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if when == "unmounted":
+        m.stop()
+    (m.backing / "f").write_bytes(b"N" * 100_000)       # same inode, cut and rewritten
+    if when == "unmounted":
+        m.start()
+    else:
+        time.sleep(0.3)                                 # past --attr-timeout
+    want = b"N" * 65536 + b"D" * 8192 + b"N" * (100_000 - 73728)
+    assert m.path("f").read_bytes() == want
+    assert os.stat(m.path("f")).st_size == 100_000
+    ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == want
+    m.stop(check=False)                                 # the conflict's WARNING is expected
 
 
 @pytest.mark.parametrize("mode", ["write-through", "write-back"])
