@@ -16,6 +16,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -382,9 +383,38 @@ class Daemon:
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for signum in sigs:
+                if signum == signal.SIGHUP:
+                    # logrotate's `postrotate kill -HUP`: a new log file, not an unmount (it
+                    # was one: rotating the log unmounted production, a helper's hunt).
+                    _reopen_log()
+                    continue
                 log.info("signal %d: unmounting", signum)
                 pyfuse3.terminate()
                 return
+
+
+def _reopen_log() -> None:
+    """SIGHUP: a background daemon (`cachefs mount`, whose stdout and stderr are
+    CACHE_DIR/cachefs.log, named in CACHEFS_LOG_FILE) opens that path again, so that a log
+    rotated by renaming goes on in a new file; in the foreground (systemd's journal, a
+    terminal) there is nothing to reopen."""
+    path = os.environ.get("CACHEFS_LOG_FILE")
+    if not path:
+        log.info("SIGHUP: logging to stderr, nothing to reopen (SIGTERM or `cachefs umount` "
+                 "unmounts)")
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        log.warning("SIGHUP: cannot reopen the log %s (%s); logging on to the old file",
+                    path, exc)
+        return
+    for std in (sys.stdout, sys.stderr):
+        std.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    log.info("SIGHUP: log reopened (%s)", path)
 
 
 def _paths(request: dict) -> list[str]:

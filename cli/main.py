@@ -21,6 +21,7 @@ from . import client, unit
 from .options import add_mount_arguments, config_from_args, config_to_argv
 
 READY_ENV = "CACHEFS_READY_FD"
+LOG_ENV = "CACHEFS_LOG_FILE"    # the daemon's stdout and stderr: reopened at SIGHUP (logrotate)
 READY_TIMEOUT_S = 120
 
 
@@ -72,7 +73,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cachefs_cli.main", *config_to_argv(cfg)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(w,),
-            env={**os.environ, READY_ENV: str(w)}, start_new_session=True)
+            env={**os.environ, READY_ENV: str(w), LOG_ENV: log_path}, start_new_session=True)
     os.close(w)
     answer = _read_ready(r, proc)
     if answer == "ok":

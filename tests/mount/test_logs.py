@@ -29,3 +29,34 @@ def test_mount_and_unmount_lines(make_mount):
     log = m.logs[-1].read_text()
     assert "1.0 MiB in 16 extents warm; dirty high 16.0 MiB, low 8.0 MiB, 1.0 MiB dirty " \
            "now" in log, log
+
+
+def test_sighup_reopens_the_log_and_keeps_the_mount(tmp_path):
+    """logrotate renames cachefs.log and sends SIGHUP (`postrotate kill -HUP`): the daemon
+    goes on logging in a new cachefs.log and stays mounted. SIGHUP unmounted it (a helper's
+    hunt: rotating the log unmounted production, and the log could not be rotated)."""
+    import signal
+    import subprocess
+
+    from tests.conftest import CACHEFS, is_mounted, unmount_when_released, wait_until
+
+    backing, cache, mnt = (tmp_path / n for n in ("backing", "cache", "mnt"))
+    for d in (backing, cache, mnt):
+        d.mkdir()
+    (backing / "f").write_bytes(b"x" * 5000)
+    subprocess.run([*CACHEFS, "mount", "--cache-dir", str(cache), str(backing), str(mnt)],
+                   check=True, timeout=60)
+    try:
+        pid = int(subprocess.run(["pgrep", "-f", "--", f"mount -f --cache-dir {cache} "],
+                                 capture_output=True, text=True).stdout.split()[0])
+        os.rename(cache / "cachefs.log", cache / "cachefs.log.1")
+        os.kill(pid, signal.SIGHUP)
+        wait_until(lambda: (cache / "cachefs.log").exists(), 10, what="a new cachefs.log")
+        assert is_mounted(mnt)
+        assert (mnt / "f").read_bytes() == b"x" * 5000
+        assert "SIGHUP: log reopened" in (cache / "cachefs.log").read_text()
+        assert "unmounting" not in (cache / "cachefs.log.1").read_text()
+    finally:
+        unmount_when_released(mnt, check=False)
+    wait_until(lambda: "unmounted" in (cache / "cachefs.log").read_text(), 30,
+               what="the daemon's last line in the new log")
