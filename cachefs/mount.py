@@ -38,7 +38,7 @@ from .inodes import InodeTable
 from .metrics import MetricsServer, bind
 from .openmode import fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
-                        prepare_cache_dir, raise_fd_limit)
+                        prepare_cache_dir, raise_fd_limit, volatile_cache_warning)
 from .stats import Stats
 from .store import MetadataStore
 from .verify import Verifier
@@ -117,6 +117,9 @@ class Daemon:
         log.info("BACKING is %s", f"on a local {local} filesystem: its metadata calls run "
                  "on the event loop" if local else "not on a local filesystem: every call "
                  "runs in a worker thread, with timeouts for reads")
+        volatile = volatile_cache_warning(cfg)
+        if volatile:
+            log.warning("%s", volatile[0].upper() + volatile[1:])
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = socket_path(cfg.cache_dir, cfg.stats_group)
         self.clean_start = True

@@ -19,6 +19,7 @@ import subprocess
 import time
 
 from . import mounttable
+from .backing import fs_type
 from .config import EXT_SIZE, Config, format_size
 from .errors import UserError
 
@@ -36,6 +37,31 @@ def _inside(path: str, parent: str) -> bool:
 
 def _same(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+VOLATILE_FS_TYPES = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def volatile_cache_warning(cfg: Config) -> str | None:
+    """A sentence when write-back data would live in memory only: the cache directory on
+    tmpfs or ramfs (a fsync there survives no reboot or power loss); else None."""
+    if cfg.mode != "write-back":
+        return None
+    try:
+        fd = os.open(cfg.cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        kind = VOLATILE_FS_TYPES.get(fs_type(fd))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if kind is None:
+        return None
+    return (f"the cache directory {cfg.cache_dir} is on {kind} (memory): in write-back mode "
+            "the writes it holds, fsynced ones included, are lost at a reboot or power loss "
+            "before they reach BACKING; put it on a disk, or mount in write-through mode.")
 
 
 def check_paths(cfg: Config) -> None:

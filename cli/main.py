@@ -77,6 +77,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     os.close(w)
     answer = _read_ready(r, proc)
     if answer == "ok":
+        volatile = preflight.volatile_cache_warning(cfg)
+        if volatile:
+            print(f"cachefs: warning: {volatile}", file=sys.stderr)
         return 0
     status = 1
     if answer.startswith(mnt.USER_MISTAKE):              # the daemon found a user mistake

@@ -60,3 +60,32 @@ def test_sighup_reopens_the_log_and_keeps_the_mount(tmp_path):
         unmount_when_released(mnt, check=False)
     wait_until(lambda: "unmounted" in (cache / "cachefs.log").read_text(), 30,
                what="the daemon's last line in the new log")
+
+
+def test_a_write_back_cache_on_tmpfs_is_mounted_with_a_warning(tmp_path, make_tmpfs):
+    """fsync in write-back acknowledges what the cache directory holds: on tmpfs that is
+    memory, gone at a reboot, and the mount said nothing (a helper's hunt). `cachefs mount`
+    now warns on the terminal and in the log; write-through (BACKING has every write) does
+    not."""
+    import subprocess
+
+    from tests.conftest import CACHEFS, unmount_when_released, wait_until
+
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    for mode, warned in (("write-back", True), ("write-through", False)):
+        cache = make_tmpfs("16M") / mode
+        cache.mkdir()
+        r = subprocess.run([*CACHEFS, "mount", "--mode", mode, "--cache-dir", str(cache),
+                            str(backing), str(mnt)], capture_output=True, text=True,
+                           timeout=60)
+        try:
+            assert r.returncode == 0, r.stderr
+            assert ("is on tmpfs (memory)" in r.stderr) == warned, r.stderr
+            assert ("is on tmpfs (memory)" in (cache / "cachefs.log").read_text()) == warned
+        finally:
+            unmount_when_released(mnt, check=False)
+            wait_until(lambda: subprocess.run(   # the daemon gone: the next mount may come
+                ["pgrep", "-f", "--", f"--cache-dir {cache} "]).returncode, 30,
+                what="the daemon to exit")
