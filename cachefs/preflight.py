@@ -31,12 +31,36 @@ DEAD_CHECK_S = 2.0          # how long a mount's daemon may take to answer a sta
 
 
 def _inside(path: str, parent: str) -> bool:
+    """Whether `path` is `parent` or below it: by name, or by node (the same directory
+    reached through a bind mount: a cache directory in BACKING that way cached its own
+    files, a helper's hunt)."""
     path, parent = os.path.realpath(path), os.path.realpath(parent)
-    return path == parent or path.startswith(parent.rstrip("/") + "/")
+    if path == parent or path.startswith(parent.rstrip("/") + "/"):
+        return True
+    node = _node(parent)
+    while node is not None:
+        if _node(path) == node:
+            return True
+        up = os.path.dirname(path)
+        if up == path:
+            return False
+        path = up
+    return False
 
 
 def _same(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    node = _node(a)
+    return node is not None and node == _node(b)
+
+
+def _node(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 VOLATILE_FS_TYPES = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}

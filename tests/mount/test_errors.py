@@ -199,6 +199,23 @@ def test_cache_dir_inside_backing(env, fg):
     env.assert_nothing_left()
 
 
+def test_cache_dir_inside_backing_through_a_bind_mount(env):
+    """The same directory as BACKING, reached through a bind mount, is BACKING: a cache
+    directory in it was accepted, and the mount then cached its own files (a helper's
+    hunt)."""
+    bind = env.tmp / "bind"
+    bind.mkdir()
+    subprocess.run(["mount", "--bind", str(env.backing), str(bind)], check=True)
+    try:
+        cache = bind / "cache"
+        res = env.mount(cache=cache)
+        assert_sentence(res, str(cache), "inside BACKING")
+        assert not cache.exists()
+        env.assert_nothing_left()
+    finally:
+        subprocess.run(["umount", "-l", str(bind)], capture_output=True)
+
+
 @BOTH
 def test_cache_dir_inside_mountpoint(env, fg):
     cache = env.mnt / "cache"
