@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import trio
 
-from .extents import BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, identity
+from .extents import BLK_SHIFT, EXT_SHIFT, FULL_MASK, CachedFile, identity, racy
 from .state import CacheState
 
 log = logging.getLogger("cachefs.cache")
@@ -65,6 +66,14 @@ class Coherence:
         """Compare BACKING's identity with the recorded one; drop stale data. True if same."""
         ident = identity(st)
         if cf.identity == ident:
+            if cf.racy and not racy(ident, time.time_ns()):
+                cf.racy = False
+                if (cf.extents or cf.fills) and not cf.dirty_exts and not (
+                        cf.writes_inflight or cf.meta_inflight):
+                    self._drop_stale(cf, st, "was cached within the second of its last "
+                                     "change, and BACKING keeps whole seconds: a rewrite "
+                                     "later in that second would not show")
+                    return False
             return True
         if cf.identity is None:
             cf.identity = ident
@@ -93,24 +102,28 @@ class Coherence:
             self._s.persist_identity(cf)
             return False
         if cf.identity is not None and (cf.extents or cf.fills):
-            self.stats.stale_files += 1
-            self.stats.drop_coherence += len(cf.extents)
-            in_place = cf.held is not None and cf.held.current and not cf.doomed
-            log.info("BACKING inode %d changed behind the cache (size, mtime, ctime %s -> %s); "
-                     "dropping %d cached extents (reason: coherence)%s", cf.ino,
-                     cf.identity[1:], ident[1:], len(cf.extents),
-                     "; the kernel reads its cache file in passthrough: read again from "
-                     "BACKING before the next open" if in_place else "")
-            if in_place:
-                self._s.stale_in_place(cf, st.st_size)
-            else:
-                self._s.drop_file(cf)
+            self._drop_stale(cf, st, f"changed behind the cache (size, mtime, ctime "
+                             f"{cf.identity[1:]} -> {ident[1:]})")
         cf.identity = ident
         cf.size = st.st_size
         cf.recovered = False
         if cf.extents:                  # kept in place (a held file): the new identity
             self._s.persist_identity(cf)    # with its blocks, all invalid now
         return False
+
+    def _drop_stale(self, cf: CachedFile, st: os.stat_result, why: str) -> None:
+        """The cached data of `cf` may be older than BACKING's file (`why`): it goes."""
+        self.stats.stale_files += 1
+        self.stats.drop_coherence += len(cf.extents)
+        in_place = cf.held is not None and cf.held.current and not cf.doomed
+        log.info("BACKING inode %d %s; dropping %d cached extents (reason: coherence)%s",
+                 cf.ino, why, len(cf.extents),
+                 "; the kernel reads its cache file in passthrough: read again from "
+                 "BACKING before the next open" if in_place else "")
+        if in_place:
+            self._s.stale_in_place(cf, st.st_size)
+        else:
+            self._s.drop_file(cf)
 
     def _conflict(self, cf: CachedFile, ident: tuple[int, int, int, int]) -> None:
         """BACKING changed while we hold dirty data: keep the dirty blocks (they are the

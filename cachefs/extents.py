@@ -13,6 +13,7 @@ when the file grows.
 from __future__ import annotations
 
 import os
+import time
 
 from .config import BLK_SIZE, EXT_SIZE
 
@@ -91,12 +92,23 @@ class CachedFile:
     engine (the hit path clips reads to it).
     """
 
-    __slots__ = ("ino", "identity", "size", "extents", "cache_fd", "open_count",
+    __slots__ = ("ino", "_identity", "racy", "size", "extents", "cache_fd", "open_count",
                  "fills", "writes_inflight", "meta_inflight", "doomed", "path", "wb_fd",
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
                  "kernel_stale", "attrs_stale", "atime_read", "caps", "birth")
+
+    @property
+    def identity(self) -> tuple[int, int, int, int] | None:
+        return self._identity
+
+    @identity.setter
+    def identity(self, ident: tuple[int, int, int, int] | None) -> None:
+        """Also whether it is `racy` (seen in the second of the file's last change on a
+        BACKING with 1-second timestamps: Coherence.revalidate)."""
+        self._identity = ident
+        self.racy = ident is not None and racy(ident, time.time_ns())
 
     def __init__(self, ino: int, identity: tuple[int, int, int, int] | None = None):
         self.ino = ino
@@ -182,6 +194,19 @@ class CachedFile:
 
     def cached_bytes(self) -> int:
         return len(self.extents) * EXT_SIZE
+
+
+SECOND_NS = 1_000_000_000
+
+
+def racy(ident: tuple[int, int, int, int], seen_ns: int) -> bool:
+    """Whether an identity seen at `seen_ns` (our clock) may miss a change: BACKING keeps
+    whole seconds (ext3, ext4 with 128-byte inodes, NFSv3 and SMB servers, FAT: mtime and
+    ctime both on a second) and the file changed in that second or the one before (a clock
+    of BACKING's a little behind ours), so a same-size rewrite later in it leaves
+    (size, mtime, ctime) as they are ("racy git")."""
+    ctime, mtime = ident[3], ident[2]
+    return not ctime % SECOND_NS and not mtime % SECOND_NS and seen_ns < ctime + 2 * SECOND_NS
 
 
 def identity(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -25,7 +25,7 @@ from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
 from .extentmap import ExtentMap
 from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, KEEP_ATIME, CachedFile, Extent,
-                      block_mask, identity, runs)
+                      block_mask, identity, racy, runs)
 from .integrity import Reports, lost_blocks
 from .oplog import RateLimitedLog
 from .persist import Persister
@@ -89,6 +89,7 @@ class CacheState:
         checking, self.map.check_all = self.map.check_all, False     # checked when whole
         for ino, (size, mtime_ns, ctime_ns, path, lsize) in files.items():
             cf = self.files[ino] = CachedFile(ino, (ino, size, mtime_ns, ctime_ns))
+            cf.racy = racy(cf.identity, self.store.written_before_ns)   # seen before then
             cf.path = path
             cf.size = lsize
             cf.recovered = not clean_stop

@@ -128,6 +128,11 @@ class MetadataStore:
         self._meta: dict[str, str | None] = {}         # meta rows to set (None: delete)
         self.commits = 0
         self.last_commit_s = 0.0
+        # When the last mount last wrote the database (its files' mtimes, before this one
+        # opens it): the identities it holds were seen before then (CacheState.load: racy).
+        self.written_before_ns = max(
+            (os.stat(self.path + tail).st_mtime_ns for tail in ("", "-wal")
+             if os.path.exists(self.path + tail)), default=0)
         self.journal = DoubtJournal(cache_dir)        # write-back: extents in doubt
         self._lock = threading.Lock()                  # held by every use of self._db
         self._limiter = trio.CapacityLimiter(1)        # commits run one at a time, in order
