@@ -89,6 +89,21 @@ class CorruptStore(UserError):
     cannot be BACKING's (`_dirty_elsewhere`)."""
 
 
+def _dirty_note(db: sqlite3.Connection, backing: str) -> str:
+    """For the refusal of a cache directory of another BACKING: what it holds that BACKING
+    does not have yet, and how to get it there (a BACKING moved to another path: following
+    the advice alone left it stranded, a helper's hunt)."""
+    try:
+        n = db.execute("SELECT count(*) FROM extents WHERE dirty != 0").fetchone()[0]
+    except sqlite3.DatabaseError:
+        return ""
+    if not n:
+        return ""
+    return (f" It holds write-back data of {n} extents not yet in {backing}: if that is "
+            f"this BACKING under its old path, mount it there again (a bind mount of it at "
+            f"{backing} will do) and flush, or the data stays in this cache directory only.")
+
+
 def _read_tables(db: sqlite3.Connection) -> tuple[dict, list]:
     """The files and extents rows (MetadataStore.load)."""
     files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
@@ -221,7 +236,8 @@ class MetadataStore:
                 row = db.execute("SELECT value FROM meta WHERE key='backing'").fetchone()
                 if row is not None and row[0] != backing_real:
                     foreign = (f"the cache directory {self.cache_dir} belongs to BACKING "
-                               f"{row[0]}, not {backing_real}; choose another --cache-dir.")
+                               f"{row[0]}, not {backing_real}; choose another --cache-dir."
+                               + _dirty_note(db, row[0]))
             if foreign is not None:
                 db.close()
                 raise UserError(foreign)

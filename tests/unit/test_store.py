@@ -50,6 +50,18 @@ def test_cache_dir_of_another_backing_is_refused(tmp_path):
         _open(tmp_path, "/srv/b")
 
 
+def test_a_refused_cache_dir_says_what_dirty_data_it_holds_and_how_to_get_it_out(tmp_path):
+    """BACKING moved to another path while the cache held dirty data: the refusal said only
+    "choose another --cache-dir", which strands the data (a helper's hunt)."""
+    s = _open(tmp_path, "/srv/a")
+    s.queue_file(10, 4096, 1, 2, b"f", 4096)
+    s.queue_extent(10, 0, 0x1, 0x1)
+    s.commit(s.take_batch(), durable=True)
+    s.close(clean=True)
+    with pytest.raises(UserError, match=r"not yet in /srv/a: .* mount it there again"):
+        _open(tmp_path, "/srv/b")
+
+
 def test_corrupt_database_is_a_sentence(tmp_path):
     (tmp_path / "cachefs.db").write_bytes(b"this is not a database" * 100)
     with pytest.raises(UserError, match="corrupt"):
