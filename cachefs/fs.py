@@ -184,8 +184,11 @@ class Operations(pyfuse3.Operations):
         async for ino in self._cache.stale_inodes:
             try:
                 await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
-            except OSError as exc:              # ENOENT: the kernel no longer knows the inode
-                if exc.errno not in (errno.ENOENT, errno.EBADF):
+            except OSError as exc:
+                # ENOENT: the kernel no longer knows the inode; ENOSYS, EINVAL: FUSE is not
+                # up yet (a mount re-loading a pinned file that changed while it was down:
+                # the kernel has nothing of it to drop; it was a WARNING at such mounts)
+                if exc.errno not in (errno.ENOENT, errno.EBADF, errno.ENOSYS, errno.EINVAL):
                     log.warning("kernel invalidation of inode %d failed: %s", ino, exc)
 
     # -- namespace -----------------------------------------------------------------------

@@ -26,8 +26,10 @@ import xxhash
 
 from .config import BLK_SIZE, EXT_SIZE
 from .extents import BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, Extent, runs
+from .oplog import RateLimitedLog
 
 log = logging.getLogger("cachefs.integrity")
+_limited = RateLimitedLog(log)
 
 _hash = xxhash.xxh3_64_intdigest
 _SUM_MASK = 0xFFFFFFFF
@@ -233,12 +235,16 @@ class Reports:
         return lost
 
     def clean(self, cf: CachedFile, x: Extent, mask: int, where: str) -> None:
-        self._stats.checksum_errors += bin(mask).count("1")
+        n = bin(mask).count("1")
+        self._stats.checksum_errors += n
         self._stats.drop_checksum += 1
-        for off in _offsets(x, mask):
-            log.warning("checksum mismatch in the cache of %s at offset %d (%s): a clean "
-                        "block, dropped and read from BACKING (reason: checksum)",
-                        _name(cf), off, where)
+        # One line per file and minute (the counters have every block): a wiped cache
+        # directory wrote a line per 4 KiB block, 262,000 per GiB (a helper's hunt).
+        _limited.warning(("checksum", cf.ino), "checksum mismatch in the cache of %s at "
+                         "offset %d (%s): %d clean block%s of its extent, dropped and read "
+                         "from BACKING (reason: checksum; stats checksum_errors counts every "
+                         "block)", _name(cf), _offsets(x, mask)[0], where, n,
+                         "" if n == 1 else "s")
 
     def dirty(self, cf: CachedFile, x: Extent, mask: int, where: str) -> None:
         for off in _offsets(x, mask & ~x.bad):          # once per block
