@@ -364,6 +364,11 @@ class Cache:
         self.coherence.own_change(cf, st, size_exact=False)
         if shown is not None:
             self.state.mask_ctime(cf.ino, st.st_ctime_ns, shown)
+        if len(self.pool) > self.state.capacity_exts:
+            # More than the pool's size: dirty data a mount with a smaller --cache-size
+            # found (kept: BACKING had none of it). Clean now, what is over the size goes
+            # (it stayed for the whole mount: a helper's hunt).
+            self.state.make_room(0)
 
     @contextlib.contextmanager
     def changing(self, *inos: int | None):

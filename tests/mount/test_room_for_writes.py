@@ -133,3 +133,26 @@ def test_a_partial_write_racing_a_promotion_of_its_extent_does_not_stall(make_mo
         flush_all(m)
         assert (slow / "f").read_bytes() == bytes(data)
         m.stop()
+
+
+def test_a_pool_remounted_smaller_than_its_dirty_data_comes_down_to_its_size(make_mount):
+    """A mount with a smaller --cache-size than the dirty data it finds keeps that data (it
+    is BACKING's only copy) but dropped the pool back to its size only at the next mount:
+    once destaged it stayed over it for the whole mount (a helper's hunt: 24 MiB of an 8
+    MiB pool). A destage now evicts what is over the size once it is clean."""
+    m = make_mount("--mode", "write-back", "--cache-size", "64M", "--dirty-high", "48M",
+                   "--dirty-low", "40M", "--max-dirty-age", "1h")
+    data = os.urandom(24 << 20)
+    with open(m.path("f"), "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    assert m.stats()["dirty_bytes"] == len(data)
+    m.stop()
+    m.args = ["--mode", "write-back", "--cache-size", "8M"]
+    m.start()
+    assert m.stats()["dirty_bytes"] == len(data)        # all kept
+    flush_all(m)
+    s = m.stats()
+    assert s["dirty_bytes"] == 0
+    assert s["cache_used"] <= 8 << 20, s["cache_used"]
+    assert (m.backing / "f").read_bytes() == data
