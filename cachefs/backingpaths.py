@@ -108,6 +108,20 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
     return -1
 
 
+def find_by_ino(root: int, ino: int) -> bytes | None:
+    """The path (relative to BACKING's root) of a regular file with inode `ino`, found by a
+    walk of BACKING (renamed while cachefs was down); None if none."""
+    for top, _, names, dfd in os.fwalk(b".", dir_fd=root):
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
+                return os.path.normpath(os.path.join(top, name))
+    return None
+
+
 def _born(fd: int, birth: int) -> int:
     """`fd`, or -1 (closed) if its file's birth time is known and not `birth` (if known)."""
     if birth:

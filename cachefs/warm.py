@@ -89,6 +89,20 @@ class Warm:
         for ino, rel, size in self.store.load_pins():
             self.pins[ino] = Pin(ino, rel, size)
             self.cache.pool.protect(ino)
+        over = []
+        while self.pins and self.pinned_size() > self.limit_bytes():
+            over.append(self.pins[next(reversed(self.pins))])
+            self._unpin([over[-1].ino])
+        if over:
+            # A smaller pool or --max-pinned than when they were pinned: the latest pins
+            # beyond the limit go (their data stays cached, evictable); they filled the
+            # whole pool before (a helper's hunt).
+            self.stats.pins_lost += len(over)
+            log.warning("%d pinned files are over the limit of %s (--max-pinned of this "
+                        "pool) and are no longer pinned (their data stays cached until "
+                        "evicted): %s", len(over), format_size(self.limit_bytes()),
+                        ", ".join(self._show(p.rel) for p in over[:10])
+                        + (" ..." if len(over) > 10 else ""))
         if self.pins:
             log.info("%d pinned files (%s) restored", len(self.pins),
                      format_size(self.pinned_size()))
@@ -452,6 +466,20 @@ class Warm:
             if st.st_ino == pin.ino and stat_mod.S_ISREG(st.st_mode):
                 self.renamed(pin.ino, path)
                 return path
-        if self.pins.get(pin.ino) is pin:
-            self._lose(pin, "no longer exists in BACKING (removed or replaced)")
+        try:
+            # Renamed while cachefs was down: a walk of BACKING finds it by number (the pin
+            # was lost, logged as a file that "no longer exists": a helper's hunt).
+            found = await self.backing.read_call("stat", bp.find_by_ino,
+                                                 self.backing.root_fd, pin.ino)
+        except OSError:
+            pin.retry_s = time.monotonic() + RETRY_S            # BACKING trouble: later
+            return None
+        if self.pins.get(pin.ino) is not pin:
+            return None                                      # unpinned meanwhile
+        if found is not None:
+            log.info("pinned file %s (BACKING inode %d) was renamed to %s", self._show(pin.rel),
+                     pin.ino, self._show(found))
+            self.renamed(pin.ino, found)
+            return found
+        self._lose(pin, "no longer exists in BACKING (removed or replaced)")
         return None

@@ -283,6 +283,42 @@ def test_a_pinned_file_changed_while_unmounted_is_reloaded_without_a_warning(mak
     assert "kernel invalidation" not in m.logs[-1].read_text()
 
 
+def test_a_pinned_file_renamed_while_unmounted_keeps_its_pin(make_mount):
+    """The pin was lost ("no longer exists") when its file was renamed in BACKING while
+    cachefs was down (a helper's hunt); a walk of BACKING finds it by inode number."""
+    m = make_mount()
+    data = os.urandom(MiB)
+    (m.backing / "p").write_bytes(data)
+    ctl("pin", m.path("p"), check=0)
+    m.stop()
+    (m.backing / "d").mkdir()
+    os.rename(m.backing / "p", m.backing / "d" / "q")
+    m.start()
+    wait_until(lambda: "was renamed to" in m.logs[-1].read_text(), 10, m.proc,
+               "the pin's file found")
+    s = m.stats()
+    assert s["pinned_files"] == 1 and s["pins_lost"] == 0
+    assert_ssd_hits(m, "d/q", data)
+
+
+def test_pins_over_the_limit_of_a_smaller_pool_are_unpinned_at_mount(make_mount):
+    """Pins made in a larger pool filled the whole of a smaller one after a remount, past
+    --max-pinned (a helper's hunt); the latest ones over the limit now lose their pin."""
+    m = make_mount("--cache-size", "64M")
+    for i in range(4):
+        (m.backing / f"p{i}").write_bytes(os.urandom(6 * MiB))
+        ctl("pin", m.path(f"p{i}"), check=0)
+    assert m.stats()["pinned_files"] == 4
+    m.stop()
+    m.args = ["--cache-size", "16M"]
+    m.start()
+    s = m.stats()
+    assert 0 < s["pinned_files"] < 4
+    assert s["pinned_files"] * 6 * MiB <= s["pinned_limit"]
+    assert s["pins_lost"] == 4 - s["pinned_files"]
+    assert "are no longer pinned" in m.logs[-1].read_text()
+
+
 def test_unlinked_pinned_file_loses_its_pin(make_mount):
     m = make_mount()
     (m.backing / "gone").write_bytes(os.urandom(200_000))
