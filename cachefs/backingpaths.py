@@ -73,7 +73,7 @@ def open_at(root: int, rel: bytes, flags: int, mode: int = 0o777) -> int:
 
 
 def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes, ...] = (),
-                birth: int = 0) -> int:
+                birth: int = 0, walk: bool = True) -> int:
     """Open BACKING's file with inode `ino` for writing: at its path hint (relative to
     BACKING's root fd; older caches stored absolute paths under one of `root_paths`), or
     found by a walk of BACKING (it was renamed while cachefs was down). -1 if it no longer
@@ -94,6 +94,8 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
             if os.fstat(fd).st_ino == ino:
                 return _born(fd, birth)
             os.close(fd)
+    if not walk:
+        return -2                       # not at its path (and not looked for)
     # A walk can miss a file renamed meanwhile from a directory not yet walked into one
     # already walked; -1 throws the file's dirty data away, so it takes two walks that miss.
     for _ in range(2):
@@ -111,15 +113,24 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
 def find_by_ino(root: int, ino: int) -> bytes | None:
     """The path (relative to BACKING's root) of a regular file with inode `ino`, found by a
     walk of BACKING (renamed while cachefs was down); None if none."""
+    return find_by_inos(root, {ino}).get(ino)
+
+
+def find_by_inos(root: int, inos: set[int]) -> dict[int, bytes]:
+    """ino -> path (relative to BACKING's root) of the regular files with those inode
+    numbers, in one walk of BACKING."""
+    found: dict[int, bytes] = {}
     for top, _, names, dfd in os.fwalk(b".", dir_fd=root):
         for name in names:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
-                return os.path.normpath(os.path.join(top, name))
-    return None
+            if st.st_ino in inos and stat_mod.S_ISREG(st.st_mode):
+                found[st.st_ino] = os.path.normpath(os.path.join(top, name))
+                if len(found) == len(inos):
+                    return found
+    return found
 
 
 def _born(fd: int, birth: int) -> int:

@@ -150,8 +150,7 @@ class CacheState:
                 self.store.queue_meta(key, None)
         for key, value in self.store.meta_items(CUTS).items():
             self._complete_cut(key, value)
-        for cf in [cf for cf in self.files.values() if cf.dirty_exts and cf.birth]:
-            self._bind_dirty(cf)
+        self._bind_dirty([cf for cf in self.files.values() if cf.dirty_exts and cf.birth])
         for key in self.store.meta_keys(UNLINKING):
             self.store.queue_meta(key, None)
             cf = self.files.get(int(key[len(UNLINKING):]))
@@ -179,26 +178,38 @@ class CacheState:
         if doubt:
             log.warning("unclean stop: %d extents in doubt are treated as dirty", len(doubt))
 
-    def _bind_dirty(self, cf: CachedFile) -> None:
-        """At mount, a file with dirty data whose birth time is known: open BACKING's file
-        (found by its inode number) for the destager, now. Not there, or another file has
-        its number (deleted while cachefs was down, and ext4 gave a new file the number:
-        its dirty data went into that unrelated file, and a lookup of the new file took it
-        for a change behind the cache: a helper's hunt), its data goes, logged and counted.
-        The descriptor is held while the file is dirty: its number cannot go to another
-        file meanwhile. BACKING failing: the destager tries later, as before."""
+    def _bind_dirty(self, files: list[CachedFile]) -> None:
+        """At mount, the files with dirty data whose birth time is known: open BACKING's
+        file (by its path, else found by its inode number in one walk of BACKING for all of
+        them) for the destager, now. Not there, or another file has its number (deleted
+        while cachefs was down, and ext4 gave a new file the number: its dirty data went
+        into that unrelated file, and a lookup of the new file took it for a change behind
+        the cache: a helper's hunt), its data goes, logged and counted. The descriptor is
+        held while the file is dirty: its number cannot go to another file meanwhile.
+        BACKING failing: the destager tries later, as before."""
+        root = self.backing.root_fd
+        moved: dict[int, CachedFile] = {}
         try:
-            fd = bp.open_by_ino(self.backing.root_fd, cf.path, cf.ino, self._root_paths,
-                                cf.birth)
+            for cf in files:
+                fd = bp.open_by_ino(root, cf.path, cf.ino, self._root_paths, cf.birth,
+                                    walk=False)
+                if fd == -2:
+                    moved[cf.ino] = cf
+                elif fd < 0:
+                    self.orphaned(cf, "is another file now (another birth time)")
+                else:
+                    cf.wb_fd = fd
+            found = bp.find_by_inos(root, set(moved)) if moved else {}
+            for ino, cf in moved.items():
+                fd = (bp.open_by_ino(root, found[ino], ino, (), cf.birth, walk=False)
+                      if ino in found else -1)
+                if fd < 0:
+                    self.orphaned(cf, "no longer exists (or another file has its number now)")
+                else:
+                    cf.wb_fd = fd
         except OSError as exc:
-            log.warning("inode %d (%s) holds dirty data, and BACKING's file could not be "
-                        "opened at mount (%s): the destager tries again", cf.ino,
-                        os.fsdecode(cf.path or b"?"), exc)
-            return
-        if fd < 0:
-            self.orphaned(cf, "no longer exists (or another file has its number now)")
-        else:
-            cf.wb_fd = fd
+            log.warning("files with dirty data could not be opened in BACKING at mount (%s): "
+                        "the destager tries again", exc)
 
     def orphaned(self, cf: CachedFile, why: str) -> None:
         """The file of dirty data is gone from BACKING: its data goes (reason: orphan)."""

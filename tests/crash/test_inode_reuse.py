@@ -79,3 +79,16 @@ def test_dirty_data_of_a_file_deleted_while_down_is_dropped_and_counted(make_mou
     assert s["dirty_bytes"] == 0
     assert not m.path("a").exists()
     assert "reason: orphan" in m.logs[-1].read_text()
+
+
+def test_dirty_data_of_a_file_renamed_while_down_reaches_it(make_mount):
+    """The file is found by its number (one walk of BACKING at mount) and its birth time
+    matches: its dirty data goes to it."""
+    m, _ = _dirty_file(make_mount)
+    m.stop()
+    (m.backing / "d").mkdir()
+    os.rename(m.backing / "a", m.backing / "d" / "moved")
+    m.start()
+    ctl_flush(m)
+    assert (m.backing / "d" / "moved").read_bytes() == DIRTY
+    assert m.stats()["drops"]["orphan"] == 0
