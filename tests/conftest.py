@@ -60,7 +60,16 @@ def fuse_unusable() -> str | None:
     return None
 
 
+# The longest tests (20-60 s each, `--durations`): run first, so that with several workers
+# (make test: -n 3) none of them starts last and leaves the others idle at the end.
+LONG_FIRST = ("tests/bench/", "tests/crash/", "tests/mount/test_fio_verify.py",
+              "tests/mount/test_random_ops.py", "tests/mount/test_history.py",
+              "tests/mount/test_faults.py", "tests/mount/test_ssd_full.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not (item.nodeid.startswith(LONG_FIRST)
+                                     or "slow" in item.keywords))
     reason = fuse_unusable()
     if reason:
         for item in items:
