@@ -24,7 +24,7 @@ every operation is real and nothing is lost, so any complaint would be a model b
 failure on cachefs is a cachefs bug.
 
 Reproduce: CACHEFS_SEED=<seed printed in the failure> (CACHEFS_LONG=1 runs 50 rounds instead
-of 10; CACHEFS_ROUNDS=N any number).
+of 6; CACHEFS_ROUNDS=N any number).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ DEFAULT_SEED = 8003
 def rounds() -> int:
     if os.environ.get("CACHEFS_ROUNDS"):
         return int(os.environ["CACHEFS_ROUNDS"])
-    return 50 if env_long() else 10
+    return 50 if env_long() else 6
 
 
 # -- the model ---------------------------------------------------------------------------------
