@@ -175,7 +175,7 @@ def test_power_cuts_keep_what_was_acknowledged(tmp_path, ssd, mode):
     durable = mode == "write-through"
     try:
         m.start()
-        for rnd in range(20 if env_long() else 5):
+        for rnd in range(20 if env_long() else 3):
             for f in rng.sample(range(FILES), 2):        # cache some of it (clean)
                 for off in rng.sample(range(0, FILE_BLOCKS * BLK, 1 << 20), 3):
                     fd = os.open(names[f], os.O_RDONLY | os.O_DIRECT)
