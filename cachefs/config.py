@@ -174,5 +174,8 @@ def dirty_marks(cfg: Config, capacity: int) -> tuple[int, int]:
         raise UserError(f"--dirty-high {format_size(high)} leaves no room in a cache of "
                         f"{format_size(capacity)}: keep it below 90 % of --cache-size.")
     if low >= high:
+        if cfg.dirty_low is None:       # only --dirty-high given (0, or too small to halve)
+            raise UserError(f"--dirty-high {format_size(high)} holds no dirty data: give "
+                            "a size above 0 (or mount in write-through mode).")
         raise UserError("--dirty-low must be below --dirty-high.")
     return high, low

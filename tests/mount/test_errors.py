@@ -284,6 +284,14 @@ def test_invalid_option_values(env, fg, args, needles):
 # Values that used to be accepted and silently replaced by a default or by one of two
 # settings (`--mode ''` mounted write-through, `-o mode=a,mode=b` took the first, a NaN
 # --max-dirty-age never destaged): each is now refused with exit status 2.
+def test_a_zero_dirty_high_is_named_not_the_dirty_low_it_was_not_given(env):
+    """`--dirty-high 0` alone said "--dirty-low must be below --dirty-high" (a helper's
+    hunt): no --dirty-low was given."""
+    res = env.mount("--mode", "write-back", "--dirty-high", "0")
+    assert_sentence(res, "--dirty-high 0 B holds no dirty data")
+    env.assert_nothing_left()
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--mode", ""], ["--mode", "needs a value"]),
     (["-o", "mode="], ["-o mode", "needs a value"]),
