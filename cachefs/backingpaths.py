@@ -110,6 +110,12 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
     return -1
 
 
+def root_paths(backing: str) -> tuple[bytes, ...]:
+    """BACKING's path as given and resolved: older caches stored absolute path hints under
+    one of them (open_by_ino)."""
+    return os.fsencode(backing), os.fsencode(os.path.realpath(backing))
+
+
 def find_by_ino(root: int, ino: int) -> bytes | None:
     """The path (relative to BACKING's root) of a regular file with inode `ino`, found by a
     walk of BACKING (renamed while cachefs was down); None if none."""

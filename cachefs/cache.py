@@ -203,7 +203,7 @@ class Cache:
             dio = await self.backing.read_call("open", dio_align, fd)
         cf = self.state.file_for(ino, st)
         if born:
-            self.state.born(cf, born)
+            self.coherence.born(cf, born, st)
         if not st.st_nlink:
             cf.doomed = True            # no name: its data goes at the last release
         known = cf.identity
@@ -295,7 +295,7 @@ class Cache:
         ino = remember(st)
         cf = self.state.file_for(ino)
         if born:
-            self.state.born(cf, born)
+            self.coherence.born(cf, born, st)
         self.coherence.revalidate(cf, st)
         cf.path = path
         cf.backing_unsynced = True      # write-back: its first fsync makes BACKING's file durable

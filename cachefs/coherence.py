@@ -111,6 +111,17 @@ class Coherence:
             self._s.persist_identity(cf)    # with its blocks, all invalid now
         return False
 
+    def born(self, cf: CachedFile, birth: int, st: os.stat_result) -> None:
+        """An open found BACKING's file (`st`) with birth time `birth`. Another one than
+        recorded: the file of the cached data was deleted and this one got its number; the
+        data goes first, so that nothing of it reaches or shows in this file."""
+        if cf.birth and cf.birth != birth and (cf.extents or cf.fills):
+            if cf.dirty_exts:
+                self._s.orphaned(cf, "was replaced by another file with its number")
+            else:
+                self._drop_stale(cf, st, "is another file now (another birth time)")
+        cf.birth = birth
+
     def _drop_stale(self, cf: CachedFile, st: os.stat_result, why: str) -> None:
         """The cached data of `cf` may be older than BACKING's file (`why`): it goes."""
         self.stats.stale_files += 1

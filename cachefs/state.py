@@ -56,7 +56,7 @@ class CacheState:
         self.backing = backing
         self.stats = stats
         self.write_back = cfg.mode == "write-back"
-        self._root_paths = (os.fsencode(cfg.backing), os.fsencode(os.path.realpath(cfg.backing)))
+        self._root_paths = bp.root_paths(cfg.backing)
         self.capacity_exts = capacity_exts
         self.target_exts = capacity_exts         # the pool size asked for (capacity may shrink)
         self.files: dict[int, CachedFile] = {}
@@ -218,22 +218,6 @@ class CacheState:
                     "%d of them dirty (reason: orphan)", cf.ino, os.fsdecode(cf.path or b"?"),
                     why, len(cf.extents), cf.dirty_exts)
         self.drop_file(cf)
-
-    def born(self, cf: CachedFile, birth: int) -> None:
-        """An open found BACKING's file with birth time `birth`. Another one than recorded:
-        the file of the cached data was deleted and this one got its number (the data goes
-        first, so that nothing of it reaches or shows in this file)."""
-        if cf.birth and cf.birth != birth and (cf.extents or cf.fills):
-            if cf.dirty_exts:
-                self.orphaned(cf, "was replaced by another file with its number")
-            else:
-                self.stats.stale_files += 1
-                self.stats.drop_coherence += len(cf.extents)
-                log.info("BACKING inode %d is another file now (another birth time); "
-                         "dropping %d cached extents (reason: coherence)", cf.ino,
-                         len(cf.extents))
-                self.drop_file(cf)
-        cf.birth = birth
 
     def persist_birth(self, cf: CachedFile) -> None:
         """The file turns dirty: its birth time goes with its dirty data (_bind_dirty)."""

@@ -155,7 +155,7 @@ class Destager:
         self._pass_bytes: dict[int, int] = {}
         self._limited = RateLimitedLog(log)   # failed passes: one line per errno a minute
         # older caches stored absolute path hints: BACKING as given, or its real path
-        self._root_paths = (os.fsencode(cfg.backing), os.fsencode(os.path.realpath(cfg.backing)))
+        self._root_paths = bp.root_paths(cfg.backing)
 
     # -- flow control ------------------------------------------------------------------------
 
