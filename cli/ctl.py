@@ -192,16 +192,27 @@ def cmd_flush(args: argparse.Namespace) -> int:
                        timeout=args.timeout)
         if bar is not None:
             bar.update(bar.total - bar.n)     # done: the last report may predate the end
+        end = client.request(args.mountpoint, "stats")["stats"]
+    except UserError:
+        if _still_mounted(args.mountpoint):
+            raise
+        raise UserError(f"{args.mountpoint} was unmounted during the flush; what was still "
+                        "dirty stays in its cache directory and is destaged after the next "
+                        "mount.") from None
     finally:
         if bar is not None:
             bar.close()
-    end = client.request(args.mountpoint, "stats")["stats"]
     moved = end["destaged_bytes"] - start["destaged_bytes"]
     if args.json:
         print(json.dumps({"flushed_bytes": moved, "dirty_bytes": end["dirty_bytes"]}))
     else:
         print(f"flushed {format_size(moved)}; nothing is dirty")
     return 0
+
+
+def _still_mounted(mountpoint: str) -> bool:
+    where = mounttable.resolve(mountpoint)
+    return any(mp == where and fstype == "fuse.cachefs" for mp, fstype in mounttable.mounts())
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -2,10 +2,16 @@
 
 import os
 import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
-from tests.conftest import CTL
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from slowfs_client import mounted_slowfs  # noqa: E402
+
+from tests.conftest import CTL, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.fuse]
 
@@ -23,3 +29,39 @@ def test_flush_progress_ends_at_100_percent(make_mount):
     last = out.stderr.replace("\r", "\n").strip().splitlines()[-1]
     assert "100%" in last, out.stderr          # done: the bar says so, not 0 %
     assert m.stats()["dirty_bytes"] == 0
+
+
+def test_a_flush_cut_short_by_an_unmount_says_so(make_mount, tmp_path):
+    # BACKING at 1 MB/s: the flush of 4 MiB is still going when the mount goes away.
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    with mounted_slowfs(src, slow, latency_ms=1, jitter_ms=0, bandwidth_mbs=1):
+        m = make_mount("--mode", "write-back", "--cache-size", "64M", "--dirty-high", "32M",
+                       "--dirty-low", "16M", "--max-dirty-age", "600", backing=slow)
+        data = os.urandom(4 << 20)
+        with open(m.path("f"), "wb") as f:
+            f.write(data)
+        flush = subprocess.Popen([*CTL, "flush", str(m.mnt)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(flush.stderr), daemon=True)
+        reader.start()
+        try:
+            # Its bar is up (it asked for stats, the flush request follows at once).
+            wait_until(lambda: said, 30, m.proc, "the flush to start")
+            time.sleep(0.5)
+            assert m.stats()["dirty_bytes"] > 0
+            m.stop()
+            flush.wait(timeout=60)
+            reader.join(10)
+        finally:
+            flush.kill()
+            flush.wait()
+        err = "".join(said)
+        assert flush.returncode != 0
+        assert "was unmounted during the flush" in err, err
+        assert "Traceback" not in err
+        m.start()                       # what was dirty is still there
+        assert m.path("f").read_bytes() == data
+        m.stop()                        # before slowfs goes (it waits while it is busy)
