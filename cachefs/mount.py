@@ -38,13 +38,18 @@ from .inodes import InodeTable
 from .metrics import MetricsServer, bind
 from .openmode import fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
-                        prepare_cache_dir, raise_fd_limit, volatile_cache_warning)
+                        prepare_cache_dir, raise_fd_limit, room_warning,
+                        volatile_cache_warning)
 from .stats import Stats
 from .store import MetadataStore
 from .verify import Verifier
 from .warm import Warm
 
 log = logging.getLogger("cachefs")
+
+# ready(None, warnings) once mounted, ready(why) when the mount failed before that.
+Ready = Callable[..., None]
+
 
 def sd_notify(message: str) -> None:
     """Tell systemd (Type=notify) about our state, if it is listening."""
@@ -117,9 +122,10 @@ class Daemon:
         log.info("BACKING is %s", f"on a local {local} filesystem: its metadata calls run "
                  "on the event loop" if local else "not on a local filesystem: every call "
                  "runs in a worker thread, with timeouts for reads")
+        self.warnings: list[str] = []       # logged, and said by the waiting `cachefs mount`
         volatile = volatile_cache_warning(cfg)
         if volatile:
-            log.warning("%s", volatile[0].upper() + volatile[1:])
+            self._warn(volatile)
         self.store = MetadataStore(cfg.cache_dir)
         self.control_path = socket_path(cfg.cache_dir, cfg.stats_group)
         self.clean_start = True
@@ -129,6 +135,10 @@ class Daemon:
         self.warm: Warm | None = None
         self.metrics: MetricsServer | None = None
         self.history: History | None = None
+
+    def _warn(self, text: str) -> None:
+        self.warnings.append(text)
+        log.warning("%s", text[0].upper() + text[1:])
 
     def open(self) -> None:
         if self.cfg.metrics is not None:      # a port in use is found before the slow part
@@ -142,7 +152,11 @@ class Daemon:
         self.store.set_meta("mode", self.cfg.mode)
         reserve = self.store.ensure_reserve()
         self.stats.set_lifetime_base(*self.store.load_lifetime())
-        capacity = cache_capacity(self.cfg, cache_dir_usage(self.cfg.cache_dir)) // EXT_SIZE
+        held = cache_dir_usage(self.cfg.cache_dir)
+        capacity = cache_capacity(self.cfg, held) // EXT_SIZE
+        short = room_warning(self.cfg, held)
+        if short:
+            self._warn(short)
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
@@ -243,7 +257,7 @@ class Daemon:
     async def pid_cmd(self, request: dict, progress) -> dict:
         return {"pid": os.getpid()}
 
-    async def serve(self, ready: Callable[[str | None], None]) -> None:
+    async def serve(self, ready: Ready) -> None:
         control = ControlServer(self.control_path, {
             "stats": self.stats_cmd, "drop": self.drop_cmd, "pid": self.pid_cmd,
             "flush": self.flush_cmd, "prefetch": self.prefetch_cmd, "pin": self.pin_cmd,
@@ -287,7 +301,7 @@ class Daemon:
                 if raise_max_background(real_mountpoint):
                     log.info("FUSE max_background raised to %d", MAX_BACKGROUND)
                 nursery.start_soon(self._signals)
-                ready(None)
+                ready(None, self.warnings)
                 sd_notify("READY=1")
                 log.info("%s", oplog.mount_line(self.snapshot()))
                 await _fuse_main()
@@ -442,11 +456,12 @@ async def _fuse_main() -> None:
 USER_MISTAKE = "user mistake: "     # how `ready` marks a UserError for the waiting CLI
 
 
-def run(cfg: Config, ready: Callable[[str | None], None]) -> int:
+def run(cfg: Config, ready: Ready) -> int:
     """Run a mount in this process until it is unmounted; returns the exit status.
 
-    `ready` gets None once mounted, or why not: a user mistake (UserError) as USER_MISTAKE
-    and its sentence, so that `cachefs mount` in the background exits 2 for it too."""
+    `ready` gets None and the mount's warnings once mounted, or why not: a user mistake
+    (UserError) as USER_MISTAKE and its sentence, so that `cachefs mount` in the background
+    exits 2 for it too."""
     oplog.quiet_late_replies()
     try:
         check_paths(cfg)

@@ -88,6 +88,23 @@ def volatile_cache_warning(cfg: Config) -> str | None:
             "before they reach BACKING; put it on a disk, or mount in write-through mode.")
 
 
+def room_warning(cfg: Config, held: int) -> str | None:
+    """A sentence when --cache-size is more than the cache filesystem can give the pool:
+    its free space plus what cachefs holds there already (`held`); else None. The mount
+    goes on (the pool stops where the filesystem fills: docs/operations.md)."""
+    if cfg.cache_size is None:
+        return None
+    sv = os.statvfs(cfg.cache_dir)
+    room = sv.f_bavail * sv.f_frsize + held
+    if cfg.cache_size <= room:
+        return None
+    return (f"--cache-size {format_size(cfg.cache_size)} is more than the cache filesystem "
+            f"has room for ({format_size(sv.f_bavail * sv.f_frsize)} free, "
+            f"{format_size(held)} used by this cache already): the pool stops growing where it "
+            "fills up, and promotions then pause while clean data is evicted; free space "
+            "there or give a smaller --cache-size.")
+
+
 def check_paths(cfg: Config) -> None:
     """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
     cfg.validate()

@@ -21,6 +21,7 @@ from . import client, unit
 from .options import add_mount_arguments, config_from_args, config_to_argv
 
 READY_ENV = "CACHEFS_READY_FD"
+READY_WARNING = "warning: "     # a line of the ready answer after "ok"
 LOG_ENV = "CACHEFS_LOG_FILE"    # the daemon's stdout and stderr: reopened at SIGHUP (logrotate)
 READY_TIMEOUT_S = 120
 
@@ -76,10 +77,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
             env={**os.environ, READY_ENV: str(w), LOG_ENV: log_path}, start_new_session=True)
     os.close(w)
     answer = _read_ready(r, proc)
-    if answer == "ok":
-        volatile = preflight.volatile_cache_warning(cfg)
-        if volatile:
-            print(f"cachefs: warning: {volatile}", file=sys.stderr)
+    if answer == "ok" or answer.startswith("ok\n"):
+        for line in answer.splitlines()[1:]:        # the daemon's warnings, also in its log
+            if line.startswith(READY_WARNING):
+                print(f"cachefs: warning: {line[len(READY_WARNING):]}", file=sys.stderr)
         return 0
     status = 1
     if answer.startswith(mnt.USER_MISTAKE):              # the daemon found a user mistake
@@ -130,11 +131,13 @@ def _run_foreground(cfg) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ready_fd = int(os.environ.pop(READY_ENV, "-1"))
 
-    def ready(error: str | None) -> None:
+    def ready(error: str | None, warnings: tuple[str, ...] | list[str] = ()) -> None:
         nonlocal ready_fd
         if ready_fd >= 0:
+            said = "".join(f"{READY_WARNING}{w}\n" for w in warnings)
             try:
-                os.write(ready_fd, b"ok\n" if error is None else error.encode() + b"\n")
+                os.write(ready_fd, f"ok\n{said}".encode() if error is None
+                         else error.encode() + b"\n")
             finally:
                 os.close(ready_fd)
                 ready_fd = -1

@@ -89,3 +89,37 @@ def test_a_write_back_cache_on_tmpfs_is_mounted_with_a_warning(tmp_path, make_tm
             wait_until(lambda: subprocess.run(   # the daemon gone: the next mount may come
                 ["pgrep", "-f", "--", f"--cache-dir {cache} "]).returncode, 30,
                 what="the daemon to exit")
+
+
+def test_a_cache_size_beyond_the_free_space_is_mounted_with_a_warning(tmp_path, make_tmpfs):
+    """--cache-size is checked against the cache filesystem's size, not against what is free
+    on it: a pool promised more than the filesystem can give was mounted silently (a
+    helper's hunt). It still mounts (the pool stops where the filesystem fills), with a
+    warning on the terminal and in the log; a size that fits has none."""
+    import subprocess
+
+    from tests.conftest import CACHEFS, unmount_when_released, wait_until
+
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    fs = make_tmpfs("48M")
+    (fs / "other-tenant").write_bytes(b"x" * (30 << 20))
+    for size, warned in (("40M", True), ("4M", False)):
+        cache = fs / size
+        cache.mkdir()
+        r = subprocess.run([*CACHEFS, "mount", "--cache-size", size, "--cache-dir", str(cache),
+                            str(backing), str(mnt)], capture_output=True, text=True,
+                           timeout=60)
+        try:
+            assert r.returncode == 0, r.stderr
+            said = f"--cache-size {size[:-1]}"
+            assert (said in r.stderr and "free" in r.stderr) == warned, r.stderr
+            assert (said in (cache / "cachefs.log").read_text()) == warned
+            (backing / "f").write_bytes(b"y" * 100_000)
+            assert (mnt / "f").read_bytes() == b"y" * 100_000
+        finally:
+            unmount_when_released(mnt, check=False)
+            wait_until(lambda: subprocess.run(   # the daemon gone: the next mount may come
+                ["pgrep", "-f", "--", f"--cache-dir {cache} "]).returncode, 30,
+                what="the daemon to exit")

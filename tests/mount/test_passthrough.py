@@ -82,12 +82,19 @@ def cache_fully(m, name: str, size: int) -> None:
     wait_until(lambda: m.stats()["extents_cached"] >= want, 15, what="promotion")
 
 
-def open_passthrough(m, name: str) -> int:
-    """Open read-only and check the daemon answered with passthrough."""
-    before = m.stats()["passthrough_opens"]
-    fd = os.open(m.path(name), os.O_RDONLY)
-    assert m.stats()["passthrough_opens"] == before + 1, "the open did not go passthrough"
-    return fd
+def open_passthrough(m, name: str, timeout_s: float = 5) -> int:
+    """Open read-only and check the daemon answered with passthrough. The kernel sends the
+    RELEASE of an earlier open after its close(2) returns: until it arrives that open still
+    fixes the inode's mode (a loaded CI machine), so a refused open is closed and retried."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = m.stats()["passthrough_opens"]
+        fd = os.open(m.path(name), os.O_RDONLY)
+        if m.stats()["passthrough_opens"] == before + 1:
+            return fd
+        os.close(fd)
+        assert time.monotonic() < deadline, "the open did not go passthrough"
+        time.sleep(0.05)
 
 
 def held_file(m, name: str) -> tuple[bytearray, int]:
