@@ -20,8 +20,12 @@ deps:
 # The Python package, then FUSE passthrough (deps/passthrough: libfuse 3.17 in a private prefix and
 # pyfuse3 with the passthrough patch, replacing the stock pyfuse3). When that build cannot run
 # here, the stock pyfuse3 stays and cachefs runs without passthrough (it logs why).
+# The package is installed editable: nothing compiles its bytecode, and where
+# PYTHONDONTWRITEBYTECODE is set (as on these machines) every daemon start compiled all of
+# cachefs again (~0.2-0.3 s of CPU each; the suite starts about a thousand).
 install: deps
 	$(PYTHON) -m pip install -q -e '.[test,bench]'
+	$(PYTHON) -m compileall -q cachefs cli bench tests
 	@bash deps/passthrough/build.sh --python "$$(command -v $(PYTHON))" \
 	  || echo "make: the FUSE passthrough build failed (above); cachefs will run without passthrough."
 	@scripts=$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))'); \
