@@ -14,8 +14,10 @@ import os
 import subprocess
 import sys
 
+from cachefs.config import format_size
 from cachefs.errors import UserError
 
+from . import client
 from . import main as cli_main
 from .options import config_from_args
 
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     opts = [o for arg in args.options for o in arg.split(",") if o]
     if "remount" in opts:
-        return _remount(args.mountpoint, opts)
+        return _remount(args.backing, args.mountpoint, opts)
     if os.geteuid() == 0:
         # mount(8) hands a helper no default flags (dev, suid: fstab's "dev,suid" arrive
         # as nothing), so, as mount.fuse3 does for root, they are the default here unless
@@ -57,15 +59,52 @@ REMOUNT_FLAGS = {"remount", "ro", "rw", "suid", "nosuid", "dev", "nodev", "exec"
                  "nolazytime"}
 
 
-def _remount(mountpoint: str, opts: list[str]) -> int:
+def _remount(backing: str, mountpoint: str, opts: list[str]) -> int:
     """`mount -o remount,ro MOUNTPOINT` of a cachefs mount: the kernel's remount (mount -i:
     no helper again) with the kernel's flags; the rest (cachefs's options, which mount(8)
     hands over from fstab and the mount table each time) cannot change without unmounting
-    and are left as they are. mount.fuse3 ran `cachefs SOURCE MOUNTPOINT -o remount,...`,
+    and are left as they are (said for those that differ). mount.fuse3 ran `cachefs SOURCE MOUNTPOINT -o remount,...`,
     which is no cachefs command ("cachefs: not found" and the mount stayed rw)."""
     flags = [o for o in opts if o in REMOUNT_FLAGS]
     res = subprocess.run(["mount", "-i", "-o", ",".join(flags), mountpoint])
+    if res.returncode == 0:
+        for line in _not_applied(backing, mountpoint, [o for o in opts if o not in REMOUNT_FLAGS]):
+            print(f"mount.cachefs: {line}", file=sys.stderr)
     return res.returncode
+
+
+# cachefs options a remount names that the running daemon can be asked about: (the stats
+# field, how a value is shown). mount(8) hands over an fstab line's options at every
+# remount, so only a value other than the daemon's is said to be left as it was.
+_COMPARED = {"mode": ("mode", str), "cache_size": ("cache_size", format_size),
+             "cache_dir": ("cache_dir", str), "dirty_high": ("dirty_high", format_size),
+             "dirty_low": ("dirty_low", format_size)}
+
+
+def _not_applied(backing: str, mountpoint: str, given: list[str]) -> list[str]:
+    """A sentence for each cachefs option of a remount whose value differs from the running
+    daemon's: it is not applied (`mount -o remount,cache_size=32M` exited 0 and nothing said
+    that the pool kept its size: a helper's hunt)."""
+    if not given:
+        return []
+    try:
+        cfg = config_from_args(argparse.Namespace(backing=backing, mountpoint=mountpoint,
+                                                  options=[",".join(given)]))
+        running = client.request(mountpoint, "stats", timeout_s=10)["stats"]
+    except UserError:
+        return []
+    named = {o.partition("=")[0].replace("-", "_") for o in given}
+    said = []
+    for key, (field, show) in _COMPARED.items():
+        want, have = getattr(cfg, key, None), running.get(field)
+        if key not in named or want is None or have is None:
+            continue
+        if key == "cache_dir":
+            want, have = os.path.realpath(want), os.path.realpath(have)
+        if want != have:
+            said.append(f"{key}={show(want)} is not applied by a remount (the mount keeps "
+                        f"{show(have)}): unmount and mount again to change it.")
+    return said
 
 
 if __name__ == "__main__":
