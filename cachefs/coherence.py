@@ -66,6 +66,7 @@ class Coherence:
         """Compare BACKING's identity with the recorded one; drop stale data. True if same."""
         ident = identity(st)
         if cf.identity == ident:
+            cf.recovered = False        # BACKING's file is as last committed
             if cf.racy and not racy(ident, time.time_ns()):
                 cf.racy = False
                 if (cf.extents or cf.fills) and not cf.dirty_exts and not (

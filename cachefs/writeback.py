@@ -306,6 +306,20 @@ class Destager:
                     cache.discard_orphan(cf)
                     return
                 cache.set_wb_fd(cf, fd)
+            if cf.recovered:
+                # After an unclean stop, before the first destage adopts BACKING's identity
+                # as its own: BACKING's file as found against the one last committed. A
+                # punch, a zero range or a write around the cache that changed BACKING after
+                # that commit left clean blocks with the old bytes; the destage took the
+                # new identity as its own, and they were served for good (a helper's hunt).
+                token = cache.stat_token(cf.ino)
+                try:
+                    st = await self._backing.write_call(os.fstat, cf.wb_fd,
+                                                        abandon_on_cancel=True)
+                except OSError as exc:
+                    self._failed(cf, exc)
+                    return
+                cache.revalidate(cf, st, token)
             plan, runs = cache.destage_plan(cf, self._pass_bytes.get(cf.ino, BATCH_BYTES),
                                             start_ext)
             if not plan:

@@ -1,0 +1,59 @@
+"""kill -9 after cachefs changed BACKING's bytes under clean cached blocks, before the commit
+that invalidates them (write-back).
+
+A punch or zero range of clean cached data goes to BACKING at once, and the blocks' new
+state (not valid) is queued for the next commit. A kill -9 in between left the database
+calling them valid and clean. After the remount the file's dirty data was destaged first,
+and the destage took BACKING's identity (moved by the punch) as its own change: the old
+bytes were served for good, `flush` did not fix them, a clean remount kept them, and they
+turned to zeros when evicted, with no write by anyone (a helper's hunt: 3 of 3, with and
+without passthrough; a file without dirty data was revalidated at its open, and was right).
+Now the first destage of a file loaded after an unclean stop compares BACKING's file with
+the identity last committed, and a difference drops its clean blocks (reason: recovery)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+
+from tests.conftest import ctl_flush, wait_until
+
+pytestmark = [pytest.mark.fuse]
+
+MiB = 1 << 20
+PUNCH, ZERO = 0x01 | 0x02, 0x10          # FALLOC_FL_PUNCH_HOLE|KEEP_SIZE, FALLOC_FL_ZERO_RANGE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+@pytest.mark.parametrize("how", ["punch", "zero"])
+def test_clean_blocks_under_an_uncommitted_punch_are_not_served_after_kill9(make_mount, how):
+    m = make_mount("--mode", "write-back", "--cache-size", "64M", "--dirty-high", "48M",
+                   "--dirty-low", "40M", "--max-dirty-age", "1h")
+    old = os.urandom(MiB)
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, old, 0)
+        os.fsync(fd)
+        ctl_flush(m)                        # all clean, all cached
+        os.pwrite(fd, b"D" * 4096, 0)       # and some dirty data, durable
+        os.fsync(fd)
+        wait_until(lambda: m.stats()["metadata_pending"] == 0, 10, m.proc, "the commit")
+        if _libc.fallocate(fd, PUNCH if how == "punch" else ZERO, 512 << 10, 256 << 10):
+            raise OSError(ctypes.get_errno(), "fallocate")
+        m.kill()                            # before the commit that invalidates the blocks
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    want = b"D" * 4096 + old[4096:512 << 10] + bytes(256 << 10) + old[768 << 10:]
+    assert (m.backing / "f").read_bytes()[512 << 10:768 << 10] == bytes(256 << 10)
+    m.start()
+    ctl_flush(m)
+    assert m.path("f").read_bytes() == want
+    assert (m.backing / "f").read_bytes() == want
+    m.restart()
+    assert m.path("f").read_bytes() == want
