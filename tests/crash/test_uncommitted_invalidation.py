@@ -57,3 +57,43 @@ def test_clean_blocks_under_an_uncommitted_punch_are_not_served_after_kill9(make
     assert (m.backing / "f").read_bytes() == want
     m.restart()
     assert m.path("f").read_bytes() == want
+
+
+def test_a_block_written_after_an_uncommitted_extension_is_old_or_new_after_kill9(make_mount):
+    """A write-back file extended by a truncate (BACKING extended at once) and then written
+    over the block that held its old end, killed before the commit: the database still had
+    the old size, the destage after the remount cut its run of that block at it, marked the
+    block clean and took BACKING's size as its own: the block read later was the new bytes
+    up to the old end and zeros after it, neither version (a helper's crash rounds, once
+    in ~36). The file's size is BACKING's now before that destage, and the block is whole."""
+    m = make_mount("--mode", "write-back", "--cache-size", "64M", "--dirty-high", "48M",
+                   "--dirty-low", "40M", "--max-dirty-age", "1h")
+    first, last = os.urandom(6827), os.urandom(14588)
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, first, 27155)                 # ends inside block 8, at 33982
+        os.fsync(fd)
+        wait_until(lambda: m.stats()["metadata_pending"] == 0, 10, m.proc, "the commit")
+        os.ftruncate(fd, 65536)
+        os.pwrite(fd, last, 24610)                  # covers block 8 [32768, 36864) whole
+        m.kill()
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    m.start()
+    ctl_flush(m)
+    m.restart()
+    client_drop(m)                                  # what BACKING holds, read again
+    got = m.path("f").read_bytes()
+    block = got[32768:36864]
+    old = (first[32768 - 27155:] + bytes(36864 - 33982))
+    new = last[32768 - 24610:36864 - 24610]
+    assert block in (old, new), "block 8 is neither the old nor the new version"
+    assert (m.backing / "f").read_bytes() == got
+
+
+def client_drop(m) -> None:
+    from cachefs_cli import client
+    client.request(str(m.mnt), "drop", timeout_s=60)
