@@ -3,12 +3,32 @@ at mount, what was done and what stays dirty at unmount (real mount, real log)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import subprocess
 
 import pytest
 
+from tests.conftest import CACHEFS, unmount_when_released, wait_until
+
 pytestmark = pytest.mark.fuse
+
+
+@contextlib.contextmanager
+def cli_mounted(backing, mnt, cache, *args: str):
+    """`cachefs mount ARGS --cache-dir CACHE BACKING MNT` as an operator runs it (in the
+    background; its terminal output is the result's): unmounted at the end, and its daemon
+    gone, so that the next mount may come."""
+    r = subprocess.run([*CACHEFS, "mount", *args, "--cache-dir", str(cache), str(backing),
+                        str(mnt)], capture_output=True, text=True, timeout=60)
+    try:
+        yield r
+    finally:
+        unmount_when_released(mnt, check=False)
+        wait_until(lambda: subprocess.run(
+            ["pgrep", "-f", "--", f"--cache-dir {cache} "]).returncode, 30,
+            what="the daemon to exit")
 
 
 def test_mount_and_unmount_lines(make_mount):
@@ -36,9 +56,8 @@ def test_sighup_reopens_the_log_and_keeps_the_mount(tmp_path):
     goes on logging in a new cachefs.log and stays mounted. SIGHUP unmounted it (a helper's
     hunt: rotating the log unmounted production, and the log could not be rotated)."""
     import signal
-    import subprocess
 
-    from tests.conftest import CACHEFS, is_mounted, unmount_when_released, wait_until
+    from tests.conftest import is_mounted
 
     backing, cache, mnt = (tmp_path / n for n in ("backing", "cache", "mnt"))
     for d in (backing, cache, mnt):
@@ -67,28 +86,16 @@ def test_a_write_back_cache_on_tmpfs_is_mounted_with_a_warning(tmp_path, make_tm
     memory, gone at a reboot, and the mount said nothing (a helper's hunt). `cachefs mount`
     now warns on the terminal and in the log; write-through (BACKING has every write) does
     not."""
-    import subprocess
-
-    from tests.conftest import CACHEFS, unmount_when_released, wait_until
-
     backing, mnt = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     mnt.mkdir()
     for mode, warned in (("write-back", True), ("write-through", False)):
         cache = make_tmpfs("16M") / mode
         cache.mkdir()
-        r = subprocess.run([*CACHEFS, "mount", "--mode", mode, "--cache-dir", str(cache),
-                            str(backing), str(mnt)], capture_output=True, text=True,
-                           timeout=60)
-        try:
+        with cli_mounted(backing, mnt, cache, "--mode", mode) as r:
             assert r.returncode == 0, r.stderr
             assert ("is on tmpfs (memory)" in r.stderr) == warned, r.stderr
             assert ("is on tmpfs (memory)" in (cache / "cachefs.log").read_text()) == warned
-        finally:
-            unmount_when_released(mnt, check=False)
-            wait_until(lambda: subprocess.run(   # the daemon gone: the next mount may come
-                ["pgrep", "-f", "--", f"--cache-dir {cache} "]).returncode, 30,
-                what="the daemon to exit")
 
 
 def test_a_cache_size_beyond_the_free_space_is_mounted_with_a_warning(tmp_path, make_tmpfs):
@@ -96,10 +103,6 @@ def test_a_cache_size_beyond_the_free_space_is_mounted_with_a_warning(tmp_path, 
     on it: a pool promised more than the filesystem can give was mounted silently (a
     helper's hunt). It still mounts (the pool stops where the filesystem fills), with a
     warning on the terminal and in the log; a size that fits has none."""
-    import subprocess
-
-    from tests.conftest import CACHEFS, unmount_when_released, wait_until
-
     backing, mnt = tmp_path / "backing", tmp_path / "mnt"
     backing.mkdir()
     mnt.mkdir()
@@ -108,18 +111,10 @@ def test_a_cache_size_beyond_the_free_space_is_mounted_with_a_warning(tmp_path, 
     for size, warned in (("40M", True), ("4M", False)):
         cache = fs / size
         cache.mkdir()
-        r = subprocess.run([*CACHEFS, "mount", "--cache-size", size, "--cache-dir", str(cache),
-                            str(backing), str(mnt)], capture_output=True, text=True,
-                           timeout=60)
-        try:
+        with cli_mounted(backing, mnt, cache, "--cache-size", size) as r:
             assert r.returncode == 0, r.stderr
             said = f"--cache-size {size[:-1]}"
             assert (said in r.stderr and "free" in r.stderr) == warned, r.stderr
             assert (said in (cache / "cachefs.log").read_text()) == warned
             (backing / "f").write_bytes(b"y" * 100_000)
             assert (mnt / "f").read_bytes() == b"y" * 100_000
-        finally:
-            unmount_when_released(mnt, check=False)
-            wait_until(lambda: subprocess.run(   # the daemon gone: the next mount may come
-                ["pgrep", "-f", "--", f"--cache-dir {cache} "]).returncode, 30,
-                what="the daemon to exit")
