@@ -90,3 +90,8 @@ def resolve(path: str) -> str:
             out = "/"
         parts = target.split("/") + parts
     return out
+
+
+def is_cachefs(real_mountpoint: str) -> bool:
+    """A cachefs mount is at `real_mountpoint` (a path as resolve() gives it)."""
+    return (real_mountpoint, "fuse.cachefs") in mounts()

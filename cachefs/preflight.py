@@ -229,7 +229,7 @@ def _clear_dead(path: str) -> bool:
     so that a restart (systemd's Restart=on-failure) mounts again instead of refusing for
     good. Other dead FUSE mounts are left to the operator."""
     real = mounttable.resolve(path)
-    if (real, "fuse.cachefs") not in mounttable.mounts():
+    if not mounttable.is_cachefs(real):
         return False
     for flags in ("-u", "-uz"):
         if subprocess.run(["fusermount3", flags, real], capture_output=True).returncode == 0:
@@ -322,7 +322,7 @@ def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
                 held = json.loads(lines[1]) if len(lines) > 1 and lines[1] else None
             except ValueError:
                 held = None
-            if held is not None and (held, "fuse.cachefs") not in mounttable.mounts():
+            if held is not None and not mounttable.is_cachefs(held):
                 if deadline is None:
                     deadline = time.monotonic() + LOCK_WAIT_S
                     log.warning("the cachefs that used %s (pid %s) has been unmounted and is "

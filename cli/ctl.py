@@ -194,7 +194,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
             bar.update(bar.total - bar.n)     # done: the last report may predate the end
         end = client.request(args.mountpoint, "stats")["stats"]
     except UserError:
-        if _still_mounted(args.mountpoint):
+        if mounttable.is_cachefs(mounttable.resolve(args.mountpoint)):
             raise
         raise UserError(f"{args.mountpoint} was unmounted during the flush; what was still "
                         "dirty stays in its cache directory and is destaged after the next "
@@ -208,11 +208,6 @@ def cmd_flush(args: argparse.Namespace) -> int:
     else:
         print(f"flushed {format_size(moved)}; nothing is dirty")
     return 0
-
-
-def _still_mounted(mountpoint: str) -> bool:
-    where = mounttable.resolve(mountpoint)
-    return any(mp == where and fstype == "fuse.cachefs" for mp, fstype in mounttable.mounts())
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -154,7 +154,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if not args.mountpoint.strip():                     # ("" would be the current directory)
         raise UserError("MOUNTPOINT is empty; give the mount's directory.")
     mountpoint = mounttable.resolve(args.mountpoint)     # (no stat: BACKING may hang)
-    if not _is_cachefs_mount(mountpoint):
+    if not mounttable.is_cachefs(mountpoint):
         raise UserError(f"{mountpoint} is not a cachefs mount.")
     users = mounttable.users_of(mountpoint)
     if users:
@@ -226,10 +226,6 @@ def _daemon_pid(mountpoint: str) -> int | None:
         if os.path.normpath(os.path.join(cwd, last)) == mountpoint:
             return int(entry)
     return None
-
-
-def _is_cachefs_mount(path: str) -> bool:
-    return (path, "fuse.cachefs") in mounttable.mounts()
 
 
 def _wait_exit(pid: int, timeout_s: float) -> bool:
