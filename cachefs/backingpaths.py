@@ -99,14 +99,9 @@ def open_by_ino(root: int, hint: bytes | None, ino: int, root_paths: tuple[bytes
     # A walk can miss a file renamed meanwhile from a directory not yet walked into one
     # already walked; -1 throws the file's dirty data away, so it takes two walks that miss.
     for _ in range(2):
-        for _, _, names, dfd in os.fwalk(".", dir_fd=root):
-            for name in names:
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if st.st_ino == ino and stat_mod.S_ISREG(st.st_mode):
-                    return _born(os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd), birth)
+        for _, name, dfd, st in _regular_files(root):
+            if st.st_ino == ino:
+                return _born(os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd), birth)
     return -1
 
 
@@ -126,17 +121,25 @@ def find_by_inos(root: int, inos: set[int]) -> dict[int, bytes]:
     """ino -> path (relative to BACKING's root) of the regular files with those inode
     numbers, in one walk of BACKING."""
     found: dict[int, bytes] = {}
+    for top, name, _, st in _regular_files(root):
+        if st.st_ino in inos:
+            found[st.st_ino] = os.path.normpath(os.path.join(top, name))
+            if len(found) == len(inos):
+                return found
+    return found
+
+
+def _regular_files(root: int):
+    """(directory, name, its directory's fd, stat) of every regular file under BACKING's
+    root, in one walk (names as bytes; files gone meanwhile are skipped)."""
     for top, _, names, dfd in os.fwalk(b".", dir_fd=root):
         for name in names:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if st.st_ino in inos and stat_mod.S_ISREG(st.st_mode):
-                found[st.st_ino] = os.path.normpath(os.path.join(top, name))
-                if len(found) == len(inos):
-                    return found
-    return found
+            if stat_mod.S_ISREG(st.st_mode):
+                yield top, name, dfd, st
 
 
 def _born(fd: int, birth: int) -> int:
