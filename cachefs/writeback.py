@@ -507,7 +507,15 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
         os.setxattr(fd, CAPS, caps)
     if times is not None:
         atime, mtime = times
-        os.utime(fd, ns=(os.fstat(fd).st_atime_ns if atime == KEEP_ATIME else atime, mtime))
+        st = os.fstat(fd)
+        try:
+            os.utime(fd, ns=(st.st_atime_ns if atime == KEEP_ATIME else atime, mtime))
+        except OSError:
+            # A file with no name left on BACKING (unlinked while open here): its times there
+            # are nobody's to see, and a FUSE BACKING that reaches files by name refuses to
+            # set them (ESTALE). Its data went to BACKING's file all the same.
+            if st.st_nlink:
+                raise
     return fresh_fstat(fd), damaged    # BACKING's own attributes, not the kernel's cached ones
 
 
