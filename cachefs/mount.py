@@ -38,7 +38,7 @@ from .inodes import InodeTable
 from .metrics import MetricsServer, bind
 from .openmode import fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
-                        prepare_cache_dir, raise_fd_limit, room_warning,
+                        memory_warning, prepare_cache_dir, raise_fd_limit, room_warning,
                         volatile_cache_warning)
 from .stats import Stats
 from .store import MetadataStore
@@ -65,6 +65,7 @@ def sd_notify(message: str) -> None:
 
 FUSECTL = "/sys/fs/fuse/connections"
 MAX_BACKGROUND = 64
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def raise_max_background(real_mountpoint: str, limit: int = MAX_BACKGROUND) -> int | None:
@@ -104,6 +105,15 @@ def fuse_options(cfg: Config) -> set[str]:
     # stderr is `-o debug`, passed through like any FUSE option.
     opts.update(cfg.fuse_options)
     return opts
+
+
+def resident_bytes() -> int | None:
+    """The daemon's resident memory (RSS), None where /proc does not tell."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Daemon:
@@ -154,9 +164,9 @@ class Daemon:
         self.stats.set_lifetime_base(*self.store.load_lifetime())
         held = cache_dir_usage(self.cfg.cache_dir)
         capacity = cache_capacity(self.cfg, held) // EXT_SIZE
-        short = room_warning(self.cfg, held)
-        if short:
-            self._warn(short)
+        for warning in (room_warning(self.cfg, held), memory_warning(capacity)):
+            if warning:
+                self._warn(warning)
         high, low = dirty_marks(self.cfg, capacity * EXT_SIZE)
         self.cfg = dataclasses.replace(self.cfg, dirty_high=high, dirty_low=low)
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
@@ -190,6 +200,7 @@ class Daemon:
         return {
             "backing": self.cfg.backing, "mountpoint": self.cfg.mountpoint,
             "cache_dir": self.cfg.cache_dir, "mode": self.cfg.mode, "pid": os.getpid(),
+            "resident_bytes": resident_bytes(),
             **self.cache.status(), **self.warm.status(), **self.cache.modes.status(),
             **self.stats.snapshot(),
             "dirty_high": d.high, "dirty_low": d.low, "throttling": d.throttling(),

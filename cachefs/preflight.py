@@ -105,6 +105,28 @@ def room_warning(cfg: Config, held: int) -> str | None:
             "there or give a smaller --cache-size.")
 
 
+MAP_BYTES_PER_EXTENT = 1536    # the daemon's memory per 64 KiB extent of a full, busy pool:
+                               # its map, eviction queues and ghost entries (measured: 1.4 KiB,
+                               # docs/operations.md "Memory and mount time")
+
+
+def memory_warning(capacity_exts: int, mem_total: int | None = None) -> str | None:
+    """A sentence when the extent map of a full pool of `capacity_exts` extents would take
+    more than a quarter of the host's memory (`mem_total`, default: physical memory)."""
+    if mem_total is None:
+        try:
+            mem_total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    need = capacity_exts * MAP_BYTES_PER_EXTENT
+    if need * 4 <= mem_total:
+        return None
+    return (f"a full pool of {format_size(capacity_exts * EXT_SIZE)} takes about "
+            f"{format_size(need)} of the daemon's memory (about 1.5 KiB per 64 KiB extent), "
+            f"more than a quarter of this host's {format_size(mem_total)}; give a smaller "
+            "--cache-size or watch the daemon's resident memory (cachefs-ctl stats).")
+
+
 def check_paths(cfg: Config) -> None:
     """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
     cfg.validate()

@@ -19,6 +19,15 @@ def passthrough_summary(s: dict) -> str:
             f"passthrough and {s['passthrough_joined']} joined opens since mount")
 
 
+def _uptime(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 2 * 86400:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{seconds // 86400} days {seconds % 86400 // 3600} h"
+
+
 def render(s: dict) -> str:
     used, size = s["cache_used"], s["cache_size"]
     rows = [
@@ -26,6 +35,9 @@ def render(s: dict) -> str:
         ("cache", f"{s['cache_dir']}: {format_size(used)} of {format_size(size)} used "
                   f"({100 * used / size if size else 0:.1f} %), {s['extents_cached']} extents "
                   f"in {s['files_cached']} files"),
+        ("daemon", f"pid {s['pid']}, up {_uptime(s.get('uptime_s', 0))}, "
+                   f"{format_size(s['resident_bytes']) if s.get('resident_bytes') else '?'} "
+                   "resident memory"),
         ("reads", f"{s['read_ops']} ops, {format_size(s['read_bytes'])}; hit ratio "
                   f"{100 * s['hit_ratio']:.1f} % ({100 * s['byte_hit_ratio']:.1f} % of bytes)"),
         ("  from SSD", f"{s['hit_ops']} ops, {format_size(s['hit_bytes'])}"),

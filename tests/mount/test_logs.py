@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CACHEFS, unmount_when_released, wait_until
+from cachefs.preflight import MAP_BYTES_PER_EXTENT
+from tests.conftest import CACHEFS, CTL, unmount_when_released, wait_until
 
 pytestmark = pytest.mark.fuse
 
@@ -118,3 +119,33 @@ def test_a_cache_size_beyond_the_free_space_is_mounted_with_a_warning(tmp_path, 
             assert (said in (cache / "cachefs.log").read_text()) == warned
             (backing / "f").write_bytes(b"y" * 100_000)
             assert (mnt / "f").read_bytes() == b"y" * 100_000
+
+
+def test_a_pool_whose_map_outgrows_the_host_memory_is_mounted_with_a_warning(tmp_path,
+                                                                              make_tmpfs):
+    """The daemon keeps its extent map in memory: about 1.5 KiB per 64 KiB extent of a full,
+    busy pool (docs/operations.md "Memory and mount time"). A pool whose map would take more
+    than a quarter of the host's memory mounts with a warning that says so; the daemon's
+    resident memory is in `cachefs-ctl stats` and the metrics."""
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    big = int(phys / 4 / MAP_BYTES_PER_EXTENT * 1.25) * 65536       # 25 % over the line
+    fs = make_tmpfs(str(big + (1 << 30)))        # a size limit, not memory taken
+    for size, warned in ((big, True), (big // 2, False)):
+        cache = fs / str(size)
+        cache.mkdir()
+        with cli_mounted(backing, mnt, cache, "--cache-size", str(size)) as r:
+            assert r.returncode == 0, r.stderr
+            assert ("of the daemon's memory" in r.stderr) == warned, r.stderr
+            assert ("of the daemon's memory" in (cache / "cachefs.log").read_text()) == warned
+            out = subprocess.run([*CTL, "stats", str(mnt)], capture_output=True, text=True,
+                                 timeout=30)
+            assert re.search(r"\ndaemon +pid \d+, up \d+ s, [\d.]+ MiB resident memory\n",
+                             out.stdout), out.stdout
+            metrics = subprocess.run([*CTL, "metrics", str(mnt)], capture_output=True,
+                                     text=True, timeout=30).stdout
+            rss = float(re.search(r"\ncachefs_resident_memory_bytes\{.*\} (\S+)\n",
+                                  metrics).group(1))
+            assert 10 << 20 < rss < 1 << 30
