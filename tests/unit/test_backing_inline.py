@@ -24,10 +24,13 @@ def test_a_loop_of_inline_calls_lets_other_tasks_run_every_few_milliseconds(tmp_
             calls[0] += 1
 
     async def other(until: float) -> None:
-        last = time.monotonic()
+        # The gaps in this thread's CPU time: a machine busy with other work may take the
+        # CPU away for longer than the bound (seen under a load of 6 on 2 cores), which no
+        # schedule point of ours can prevent.
+        last = time.thread_time()
         while time.monotonic() < until:
             await trio.lowlevel.checkpoint()
-            now = time.monotonic()
+            now = time.thread_time()
             gaps.append(now - last)
             last = now
 
