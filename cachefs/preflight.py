@@ -110,21 +110,51 @@ MAP_BYTES_PER_EXTENT = 1536    # the daemon's memory per 64 KiB extent of a full
                                # docs/operations.md "Memory and mount time")
 
 
-def memory_warning(capacity_exts: int, mem_total: int | None = None) -> str | None:
+def memory_warning(capacity_exts: int, memory: tuple[int, str] | None = None) -> str | None:
     """A sentence when the extent map of a full pool of `capacity_exts` extents would take
-    more than a quarter of the host's memory (`mem_total`, default: physical memory)."""
-    if mem_total is None:
-        try:
-            mem_total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            return None
+    more than a quarter of the memory the daemon may use (`memory`: bytes and what they are;
+    default: `memory_available()`)."""
+    memory = memory or memory_available()
+    if memory is None:
+        return None
+    limit, what = memory
     need = capacity_exts * MAP_BYTES_PER_EXTENT
-    if need * 4 <= mem_total:
+    if need * 4 <= limit:
         return None
     return (f"a full pool of {format_size(capacity_exts * EXT_SIZE)} takes about "
             f"{format_size(need)} of the daemon's memory (about 1.5 KiB per 64 KiB extent), "
-            f"more than a quarter of this host's {format_size(mem_total)}; give a smaller "
+            f"more than a quarter of {what} ({format_size(limit)}); give a smaller "
             "--cache-size or watch the daemon's resident memory (cachefs-ctl stats).")
+
+
+def memory_available() -> tuple[int, str] | None:
+    """The memory this process may use: the host's, or its control group's limit where that
+    is lower (a systemd MemoryMax=, a container), with the words naming it."""
+    try:
+        best = (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host's memory")
+    except (OSError, ValueError):
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0":                                    # cgroup v2
+            limit_file = f"/sys/fs/cgroup{path.rstrip('/')}/memory.max"
+        elif "memory" in controllers.split(","):                # cgroup v1
+            limit_file = f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            with open(limit_file) as f:
+                limit = int(f.read())                       # "max": no limit (ValueError)
+        except (OSError, ValueError):
+            continue
+        if limit < best[0]:
+            best = (limit, f"the memory limit of its control group {path}")
+    return best
 
 
 def check_paths(cfg: Config) -> None:

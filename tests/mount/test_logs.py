@@ -17,12 +17,12 @@ pytestmark = pytest.mark.fuse
 
 
 @contextlib.contextmanager
-def cli_mounted(backing, mnt, cache, *args: str):
+def cli_mounted(backing, mnt, cache, *args: str, wrap: tuple[str, ...] = ()):
     """`cachefs mount ARGS --cache-dir CACHE BACKING MNT` as an operator runs it (in the
-    background; its terminal output is the result's): unmounted at the end, and its daemon
-    gone, so that the next mount may come."""
-    r = subprocess.run([*CACHEFS, "mount", *args, "--cache-dir", str(cache), str(backing),
-                        str(mnt)], capture_output=True, text=True, timeout=60)
+    background; its terminal output is the result's), run through `wrap` if given:
+    unmounted at the end, and its daemon gone, so that the next mount may come."""
+    r = subprocess.run([*wrap, *CACHEFS, "mount", *args, "--cache-dir", str(cache),
+                        str(backing), str(mnt)], capture_output=True, text=True, timeout=60)
     try:
         yield r
     finally:
@@ -149,3 +149,66 @@ def test_a_pool_whose_map_outgrows_the_host_memory_is_mounted_with_a_warning(tmp
             rss = float(re.search(r"\ncachefs_resident_memory_bytes\{.*\} (\S+)\n",
                                   metrics).group(1))
             assert 10 << 20 < rss < 1 << 30
+
+
+@pytest.fixture
+def memory_cgroup():
+    """Factory: memory_cgroup(limit) makes a control group with that memory limit (cgroup v1
+    or v2) and returns the command prefix that runs a program in it; removed at the end."""
+    made = []
+
+    def make(limit: int) -> tuple[str, ...]:
+        for root, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+                                 ("/sys/fs/cgroup", "memory.max")):
+            path = f"{root}/cachefs-test-{os.getpid()}-{len(made)}"
+            try:
+                os.mkdir(path)
+            except OSError:
+                continue
+            made.append(path)
+            try:
+                with open(f"{path}/{limit_file}", "w") as f:
+                    f.write(str(limit))
+            except OSError:
+                continue
+            return ("sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh")
+        pytest.skip("no memory control group can be made here")
+
+    try:
+        yield make
+    finally:
+        for path in made:
+            wait_until(lambda: _rmdir(path), 30, what=f"the removal of {path}")
+
+
+def _rmdir(path: str) -> bool:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False        # still has a process (the daemon exiting)
+    return True
+
+
+def test_the_memory_limit_of_the_daemons_control_group_counts(tmp_path, make_tmpfs,
+                                                                memory_cgroup):
+    """A daemon started under a memory limit (systemd's MemoryMax=, a container) has that
+    limit, not the host's memory, to keep its map in: the warning compares with it."""
+    backing, mnt = tmp_path / "backing", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    limit = 1 << 30
+    size = int(limit / 4 / MAP_BYTES_PER_EXTENT * 1.25) * 65536
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert size * MAP_BYTES_PER_EXTENT // 65536 * 4 < phys      # no warning for the host
+    fs = make_tmpfs(str(size + (1 << 30)))
+    cache = fs / "c"
+    cache.mkdir()
+    with cli_mounted(backing, mnt, cache, "--cache-size", str(size),
+                     wrap=memory_cgroup(limit)) as r:
+        assert r.returncode == 0, r.stderr
+        assert "more than a quarter of the memory limit of its control group" in r.stderr, \
+            r.stderr
+        (backing / "f").write_bytes(b"z" * 100_000)
+        assert (mnt / "f").read_bytes() == b"z" * 100_000
