@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import CTL, wait_until  # noqa: E402
+from tests.conftest import CTL, ctl_flush, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.fuse]
 
@@ -65,3 +65,25 @@ def test_a_flush_cut_short_by_an_unmount_says_so(make_mount, tmp_path):
         m.start()                       # what was dirty is still there
         assert m.path("f").read_bytes() == data
         m.stop()                        # before slowfs goes (it waits while it is busy)
+
+
+def test_the_passes_of_several_files_go_to_backing_at_once(make_mount, tmp_path):
+    """Every destage pass ends with an fdatasync of its file on BACKING; with one pass at a
+    time, many small files were destaged one BACKING round trip after another (51 files/s
+    on the emulator, whose 8 service slots stood idle but one). Passes of different files
+    now run side by side: BACKING sees several of their requests at once, and every file
+    arrives whole."""
+    src, slow = tmp_path / "src", tmp_path / "slow"
+    src.mkdir()
+    slow.mkdir()
+    with mounted_slowfs(src, slow, latency_ms=40, jitter_ms=0, concurrency=8) as sfs:
+        m = make_mount("--mode", "write-back", "--max-dirty-age", "600", backing=slow)
+        files = {f"f{i}": os.urandom(4096 + i) for i in range(12)}
+        for name, data in files.items():
+            m.path(name).write_bytes(data)
+        sfs.reset()
+        ctl_flush(m)
+        assert sfs.stats()["max_inflight"] >= 2, sfs.stats()
+        for name, data in files.items():
+            assert (src / name).read_bytes() == data
+        m.stop()
