@@ -23,6 +23,7 @@ class DirtyIndex:
     def __init__(self) -> None:
         self._since: OrderedDict[tuple[int, int], float] = OrderedDict()
         self.blocks = 0                          # dirty 4 KiB blocks in all extents
+        self.files = 0                           # files with dirty extents
         self._dirtied = trio.Event()             # set when data turns dirty (the destager)
         self._cleaned = trio.Event()             # set when data turns clean (writers, flush)
 
@@ -44,6 +45,7 @@ class DirtyIndex:
         if not x.dirty:
             self._since[x.key] = time.monotonic()
             cf.dirty_exts += 1
+            self.files += cf.dirty_exts == 1
             self._dirtied.set()
         x.dirty |= new
         self.blocks += popcount(new)
@@ -58,6 +60,7 @@ class DirtyIndex:
         if not x.dirty:
             del self._since[x.key]
             cf.dirty_exts -= 1
+            self.files -= cf.dirty_exts == 0
             self._cleaned.set()
             self._cleaned = trio.Event()
 

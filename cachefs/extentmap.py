@@ -366,6 +366,10 @@ class ExtentMap:
                                      f"{cf.dirty_exts}")
         if n != len(self.pool):
             raise InvariantError(f"the pool holds {len(self.pool)} extents, the map {n}")
+        files = sum(1 for cf in self.files.values() if cf.dirty_exts)
+        if files != self.dirty.files:
+            raise InvariantError(f"the dirty index counts {self.dirty.files} files with dirty "
+                                 f"data, the map {files}")
         if blocks != self.dirty.blocks or sum(1 for _ in self.dirty) != sum(
                 bool(x.dirty) for cf in self.files.values() for x in cf.extents.values()):
             raise InvariantError(f"the dirty index counts {self.dirty.blocks} blocks in "

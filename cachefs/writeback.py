@@ -289,6 +289,10 @@ class Destager:
         cache = self._cache
         if not cache.dirty or not self._due():
             return None, 0
+        if self._in_pass and cache.dirty.files <= sum(
+                1 for ino in self._in_pass
+                if (cf := cache.files.get(ino)) is not None and cf.dirty_exts):
+            return None, 0                      # every dirty file is in a pass: no walk
         now = time.monotonic()
         for ino, ext in cache.dirty:           # oldest first
             if ino in self._in_pass:
