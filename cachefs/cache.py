@@ -448,6 +448,16 @@ class Cache:
                     bad.append((x, m))
         return self.state.damage.found(cf, bad, where) if bad else 0
 
+    def cache_reader(self, cf: CachedFile) -> int:
+        """A descriptor of `cf`'s cache file for a destage pass to read in a thread, its to
+        close: a dup of the one open (a close meanwhile cannot give its number to another
+        file), so the file the map speaks of, also when its name went behind the daemon.
+        Opened by name, a removed cache file failed every pass for good (ENOENT); now
+        CacheFiles.fd tells CacheState.cache_file_made, which marks its blocks lost."""
+        fd = os.dup(self.cachefiles.fd(cf))
+        self.cachefiles.close_idle(cf)
+        return fd
+
     def damaged_dirty_blocks(self) -> int:
         return sum(bin(cf.extents[e].bad).count("1") for (_, e), cf in self.state.map.bad.items()
                    if e in cf.extents)

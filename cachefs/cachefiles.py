@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from typing import Callable
 
 from .config import EXT_SIZE
 from .extents import EXT_SHIFT, CachedFile
@@ -23,22 +24,37 @@ _FALLOC_PUNCH = 0x01 | 0x02          # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOL
 class CacheFiles:
     """The cache files of one cache directory."""
 
-    def __init__(self, cache_dir: str):
+    def __init__(self, cache_dir: str, made: Callable[[CachedFile], None] | None = None):
         self.data_dir = os.path.join(cache_dir, "data")
+        self._made = made           # told of every cache file made (CacheState.cache_file_made)
 
     def path(self, ino: int) -> str:
         return os.path.join(self.data_dir, "%02x" % (ino & 0xFF), str(ino))
 
     def fd(self, cf: CachedFile) -> int:
-        """The file's cache-file descriptor, opened (and the file made) if needed."""
+        """The file's cache-file descriptor, opened (and the file made) if needed. A file
+        made is told to `made` before this returns: if the map says blocks of it are cached,
+        they went with a cache file removed behind the daemon."""
         if cf.cache_fd < 0:
             path = self.path(cf.ino)
             try:
-                cf.cache_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                cf.cache_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # umask is 0
-                cf.cache_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                cf.cache_fd = self._make(path)
+                if self._made is not None:
+                    self._made(cf)
         return cf.cache_fd
+
+    def _make(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            for d in (self.data_dir, os.path.dirname(path)):     # umask is 0: 0700 each
+                try:
+                    os.mkdir(d, 0o700)
+                except FileExistsError:
+                    pass
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def close_idle(self, cf: CachedFile) -> None:
         """Close the descriptor of a file no handle has open."""

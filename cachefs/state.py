@@ -25,7 +25,7 @@ from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
 from .extentmap import ExtentMap
 from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, KEEP_ATIME, CachedFile, Extent,
-                      block_mask, identity, racy, runs)
+                      block_mask, identity, popcount, racy, runs)
 from .integrity import Reports, lost_blocks
 from .oplog import RateLimitedLog
 from .persist import Persister
@@ -67,7 +67,7 @@ class CacheState:
         self.pool = (S3Fifo if cfg.eviction == "s3-fifo" else Clock)(capacity_exts)
         self.admission = Admission(cfg.promote_after)
         self.dirty = DirtyIndex()                # write-back: extents newer than BACKING
-        self.cachefiles = CacheFiles(cfg.cache_dir)
+        self.cachefiles = CacheFiles(cfg.cache_dir, self.cache_file_made)
         self.persister = Persister(store, self.cachefiles, stats, self, cfg.commit_interval_s)
         self.map = ExtentMap(self.files, self.pool, self.dirty, store, self.persister,
                              self.cachefiles.path, check=cfg.check_invariants)
@@ -510,6 +510,29 @@ class CacheState:
         self.stats.promotions += 1
         self.cachefiles.close_idle(cf)
         return True
+
+    def cache_file_made(self, cf: CachedFile) -> None:
+        """A cache file was made for `cf` where there was none: the blocks the map calls
+        cached went with the file it had, removed behind the daemon (an operator, a cleaner
+        of old files such as systemd-tmpfiles). Before, the new, empty file was taken for
+        it: zeros were served as the file's bytes, through passthrough too. Now its clean
+        blocks are forgotten (read from BACKING again) and its dirty ones are lost as
+        damaged ones are: reads of them fail with EIO, never destaged until rewritten."""
+        lost = [(x, x.valid) for x in cf.extents.values() if x.valid]
+        if not lost:
+            return
+        clean = dirty = 0
+        for x, mask in lost:
+            clean += popcount(mask & ~x.dirty)
+            dirty += popcount(mask & x.dirty & ~x.bad)
+            self.map.damaged(cf, x, mask & ~x.dirty, mask & x.dirty)
+        self.stats.cache_errors += 1
+        self.stats.drop_cache_error += len(lost)
+        log.error("the cache file of %s (%s) is gone (removed behind cachefs?): %d clean "
+                  "blocks of it dropped (reason: cache error; read from BACKING again)%s",
+                  os.fsdecode(cf.path or b"?"), self.cachefiles.path(cf.ino), clean,
+                  f"; {dirty} DIRTY blocks not yet in BACKING are lost: reads of them fail "
+                  "with EIO and they are not destaged until rewritten whole" if dirty else "")
 
     def make_room(self, n: int = 1) -> bool:
         """Evict clean extents until `n` more fit; False if dirty data fills the pool."""

@@ -121,7 +121,7 @@ class Engine(Protocol):
 
     def dirty_bytes(self) -> int: ...
     def oldest_dirty_age_s(self) -> float: ...
-    def cache_path(self, ino: int) -> str: ...
+    def cache_reader(self, cf: "CachedFile") -> int: ...
     def file_lock(self, cf: "CachedFile") -> trio.Lock: ...
     def discard_orphan(self, cf: "CachedFile") -> None: ...
     def set_wb_fd(self, cf: "CachedFile", fd: int) -> None: ...
@@ -357,9 +357,15 @@ class Destager:
                     self._failed(cf, exc)
                     return
                 cache.revalidate(cf, st, token)
+            try:
+                cfd = cache.cache_reader(cf)     # (a cache file found gone: its blocks lost)
+            except OSError as exc:
+                self._failed(cf, exc)
+                return
             plan, runs = cache.destage_plan(cf, self._pass_bytes.get(cf.ino, BATCH_BYTES),
                                             start_ext)
             if not plan:
+                os.close(cfd)
                 cache.destage_failed(cf)         # nothing but damaged blocks
                 return
             t0 = time.monotonic()                # no await since the snapshot: its time
@@ -372,8 +378,8 @@ class Destager:
                     # Abandoned only at unmount, with BACKING hanging: the pass never
                     # completes, its blocks stay dirty for the next mount.
                     st, damaged = await self._backing.write_call(
-                        _destage_io, cache.cache_path(cf.ino), cf.wb_fd, runs, sums, cf.times,
-                        cf.caps, abandon_on_cancel=True)
+                        _destage_io, cf.wb_fd, cfd, runs, sums, cf.times, cf.caps,
+                        abandon_on_cancel=True)
                     self._stats.lat_destage.add(time.perf_counter_ns() - t0_ns)
                 except BaseException as exc:
                     if not isinstance(exc, OSError):
@@ -499,10 +505,12 @@ def expected_sums(cf: "CachedFile", runs: list[tuple[int, int]]) -> dict[int, in
     return sums
 
 
-def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dict[int, int],
+def _destage_io(fd: int, cfd: int, runs: list[tuple[int, int]], sums: dict[int, int],
                 times: tuple[int, int] | None = None, caps: bytes | None = None
                 ) -> tuple[os.stat_result, list[int]]:
-    """Copy runs from the cache file to BACKING, then make BACKING durable (one thread call);
+    """Copy runs from the cache file `cfd` (closed here: a pass abandoned at unmount may
+    still read it, so nobody else closes it) to BACKING's `fd`, then make BACKING durable
+    (one thread call);
     returns BACKING's stat and the offsets of blocks left out because they failed their
     checksums (garbage never reaches BACKING). `times`: (atime_ns, mtime_ns) the file had
     through the mount (its last write, or times set explicitly since), put back after the
@@ -525,7 +533,6 @@ def _destage_io(cache_path: str, fd: int, runs: list[tuple[int, int]], sums: dic
     view = memoryview(buf)
     items = []
     damaged = []
-    cfd = os.open(cache_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for off, size, at in placed:
             _read_into(cfd, view[at:at + size], off)  # past the cache file's end: zeros

@@ -6,6 +6,7 @@ cached by an earlier mount is verified before the kernel serves it (passthrough)
 import errno
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -277,3 +278,60 @@ def test_cache_files_damaged_while_unmounted(make_mount, damage):
     assert out.returncode != 0 and "damaged on the cache SSD" in out.stderr
     assert (m.backing / "f").read_bytes() == data       # garbage never reached BACKING
     m.stop(check=False)
+
+
+def remove_cache_files(m) -> None:
+    """What a cleaner of old files (systemd-tmpfiles, tmpreaper) or an operator does to a
+    cache directory under a running mount."""
+    shutil.rmtree(m.cache / "data")
+
+
+def test_cache_files_removed_under_the_mount_are_not_read_as_zeros(make_mount, mode):
+    """A cache file removed behind the daemon was made again, empty, at the next open, and
+    taken for the file's cache: zeros were served as its bytes, through passthrough and the
+    daemon alike. Its blocks are now forgotten and read from BACKING again (clean), or lost
+    (dirty: EIO, a report, never destaged), as for damage found by checksums."""
+    m = make_mount("--mode", mode, "--max-dirty-age", "600", "--dirty-high", "64M",
+                   "--dirty-low", "32M", "--cache-size", "128M")
+    old = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(old)
+    warm(m, "f", SIZE)
+    new = os.urandom(8192)
+    if mode == "write-back":
+        (m.backing / "g").write_bytes(old)
+        fd = os.open(m.path("g"), os.O_WRONLY)
+        try:
+            os.pwrite(fd, new, 65536)              # two dirty blocks, nowhere but the SSD
+        finally:
+            os.close(fd)
+    remove_cache_files(m)
+    assert m.path("f").read_bytes() == old                       # passthrough open, or not
+    fd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert pread_aligned(fd, SIZE, 0) == old
+    finally:
+        os.close(fd)
+    s = m.stats()
+    assert s["drops"]["cache_error"] >= SIZE // 65536 and s["cache_errors"] >= 1
+    if mode == "write-back":
+        with pytest.raises(OSError) as err:
+            read_blocks(m.path("g"), [65536])
+        assert err.value.errno == errno.EIO
+        assert read_blocks(m.path("g"), [0])[0] == old[:4096]
+        assert m.stats()["lost_dirty_blocks"] == 2
+        out = subprocess.run([*CTL, "flush", str(m.mnt), "--timeout", "30"],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and "2 dirty blocks (8.0 KiB) are damaged" in out.stderr
+        assert (m.backing / "g").read_bytes() == old          # nothing of the loss reached it
+        fd = os.open(m.path("g"), os.O_WRONLY)
+        try:
+            os.pwrite(fd, new, 65536)              # rewritten whole: good again
+        finally:
+            os.close(fd)
+        ctl_flush(m)
+        assert (m.backing / "g").read_bytes() == old[:65536] + new + old[65536 + 8192:]
+    m.path("h").write_bytes(new)                   # new data goes into new cache files
+    assert m.path("h").read_bytes() == new
+    log = m.logs[-1].read_text()
+    assert "is gone (removed behind cachefs?)" in log, log[-3000:]
+    m.stop(check=False)                         # the log has the ERROR line, as it must

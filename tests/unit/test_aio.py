@@ -75,7 +75,7 @@ def test_destage_io_writes_runs_and_zeros_past_the_cache_file_end(tmp_path):
     sums[4096] ^= 1                                   # the SSD "damaged" block 1
     fd = os.open(backing, os.O_RDWR)
     try:
-        _, damaged = _destage_io(str(cache), fd, runs, sums)
+        _, damaged = _destage_io(fd, os.open(cache, os.O_RDONLY), runs, sums)  # closes it
     finally:
         os.close(fd)
     got = backing.read_bytes()
