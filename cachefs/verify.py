@@ -37,18 +37,6 @@ BATCH_EXTENTS = 16              # extents read per thread call (1 MiB)
 SCRUB_KEY = "scrub.last"        # meta: wall time the last scrub pass ended
 
 
-def _read_extents(path: str, exts: list[int]) -> dict[int, bytes]:
-    """The bytes of extents `exts` of a cache file (thread); {} if the file is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return {}
-    try:
-        return _extents_of(fd, exts)
-    finally:
-        os.close(fd)
-
-
 def _extents_of(fd: int, exts: list[int]) -> dict[int, bytes]:
     out = {}
     for e in exts:
@@ -71,6 +59,15 @@ def _read_backing(root: int, path: bytes, ino: int, exts: list[int]) -> dict[int
         return _extents_of(fd, exts)
     finally:
         os.close(fd)
+
+
+def _clean_and_bad(cf: CachedFile) -> tuple[int, int]:
+    """The file's clean valid blocks and its damaged dirty ones."""
+    clean = bad = 0
+    for x in cf.extents.values():
+        clean += bin(x.valid & ~x.dirty).count("1")
+        bad += bin(x.bad).count("1")
+    return clean, bad
 
 
 class Counts:
@@ -126,7 +123,20 @@ class Verifier:
         """Verify one file's cached blocks (see the module's docstring); `rate`: at most
         that many bytes a second (0: as fast as the SSD goes)."""
         counts.files += 1
-        path = self._s.cache_path(cf.ino)
+        # The cache file the map speaks of, also when its name was removed behind the
+        # daemon (read by name, a removed one was skipped and the file called sound).
+        clean, bad = _clean_and_bad(cf)
+        cfd = self._cache.cache_reader(cf)
+        gone = _clean_and_bad(cf)               # (a removed one: its blocks were lost now)
+        counts.clean_damaged += clean - gone[0]
+        counts.dirty_damaged += gone[1] - bad
+        try:
+            await self._file(cf, cfd, counts, against_backing, rate)
+        finally:
+            os.close(cfd)
+
+    async def _file(self, cf: CachedFile, cfd: int, counts: Counts, against_backing: bool,
+                    rate: int) -> None:
         exts = sorted(cf.extents)
         for i in range(0, len(exts), BATCH_EXTENTS):
             batch = [e for e in exts[i:i + BATCH_EXTENTS] if e in cf.extents]
@@ -135,7 +145,7 @@ class Verifier:
             t0 = time.monotonic()
             seq = (cf.change_seq, cf.trunc_seq)
             valid = {e: cf.extents[e].valid for e in batch}
-            data = await trio.to_thread.run_sync(_read_extents, path, batch)
+            data = await trio.to_thread.run_sync(_extents_of, cfd, batch)
             theirs = {}
             if against_backing and cf.path is not None:
                 try:
@@ -155,8 +165,6 @@ class Verifier:
                theirs: dict[int, bytes], counts: Counts) -> None:
         """On the event loop, with the bytes read in the thread (see verify); `valid`: the
         extents' valid blocks when the thread read them."""
-        if not data:
-            return                              # no cache file
         bad_offsets = []
         self._s.cachefiles.fd(cf)               # for checksums taken now (resum)
         for e, was in valid.items():

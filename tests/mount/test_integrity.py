@@ -305,6 +305,9 @@ def test_cache_files_removed_under_the_mount_are_not_read_as_zeros(make_mount, m
         finally:
             os.close(fd)
     remove_cache_files(m)
+    rc, res = verify(m)                 # (read by name, the files were skipped: "sound")
+    assert rc == 1 and res["damaged_clean_blocks"] == SIZE // 4096, res
+    assert res["damaged_dirty_blocks"] == (2 if mode == "write-back" else 0), res
     assert m.path("f").read_bytes() == old                       # passthrough open, or not
     fd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
     try:
