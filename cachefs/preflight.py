@@ -22,6 +22,7 @@ from . import mounttable
 from .backing import fs_type
 from .config import EXT_SIZE, Config, format_size
 from .errors import UserError
+from .room import with_room
 
 log = logging.getLogger("cachefs")
 
@@ -385,8 +386,14 @@ def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
             os.close(fd)
             raise UserError(f"the cache directory {cache_dir} is in use by another cachefs "
                             f"(pid {owner}); one instance may use a cache directory.") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n{json.dumps(mounttable.resolve(mountpoint))}\n".encode(), 0)
+    holder = f"{os.getpid()}\n{json.dumps(mounttable.resolve(mountpoint))}\n".encode()
+
+    def write_holder() -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder, 0)
+    # On a full btrfs even this rewrite needs new space: the reserve file gives it (a mount
+    # over a full cache filesystem failed here with a traceback; a helper's hunt).
+    with_room(cache_dir, write_holder)
     return fd
 
 
