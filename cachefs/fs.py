@@ -578,6 +578,19 @@ class Operations(pyfuse3.Operations):
         raise FUSEError(errno.ENOSYS)
 
     async def release(self, fh):
+        self._release(fh)
+
+    def release_all(self) -> None:
+        """The kernel ended the session at an unmount, every file closed: the handles it did
+        not release are released now. It sends RELEASE in the background and drops the
+        ones the daemon has not read yet when the connection ends: an O_RDWR open of a
+        held file seemed to be there still, its file kept its mapped mark and the next
+        mount took it as written (a full suite run)."""
+        self._modes.session_ended()
+        for fh in list(self._fds.open):
+            self._release(fh)
+
+    def _release(self, fh: int) -> None:
         of = self._fds.remove(fh)
         self._modes.release(of)
         if not self._fds.has(of.ino) and self._inodes.hold_deferred(of.ino):

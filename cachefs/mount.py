@@ -142,6 +142,7 @@ class Daemon:
         self._lifetime_saved: dict[str, int] | None = {}     # None after a failed save
         self.cache: Cache | None = None
         self.ops: Operations | None = None
+        self._terminating = False       # a signal ended the session: files may be open still
         self.warm: Warm | None = None
         self.metrics: MetricsServer | None = None
         self.history: History | None = None
@@ -274,7 +275,7 @@ class Daemon:
             "flush": self.flush_cmd, "prefetch": self.prefetch_cmd, "pin": self.pin_cmd,
             "unpin": self.unpin_cmd, "history": self.history_cmd, "verify": self.verify_cmd},
             group=self.cfg.stats_group)
-        mounted = False
+        mounted = unmounted = False     # unmounted: the kernel ended the session
         registered = None
         try:
             async with trio.open_nursery() as nursery:
@@ -315,7 +316,7 @@ class Daemon:
                 ready(None, self.warnings)
                 sd_notify("READY=1")
                 log.info("%s", oplog.mount_line(self.snapshot()))
-                await _fuse_main()
+                unmounted = await _fuse_main() and not self._terminating
                 nursery.cancel_scope.cancel()
         finally:
             if registered is not None:
@@ -326,6 +327,8 @@ class Daemon:
             with trio.CancelScope(shield=True):
                 sd_notify("STOPPING=1")
                 try:
+                    if unmounted:
+                        self.ops.release_all()
                     await self.cache.modes.settle()
                     await self.cache.persist(durable=True)
                 except OSError as exc:
@@ -417,6 +420,7 @@ class Daemon:
                     _reopen_log()
                     continue
                 log.info("signal %d: unmounting", signum)
+                self._terminating = True
                 pyfuse3.terminate()
                 return
 
@@ -452,16 +456,18 @@ def _paths(request: dict) -> list[str]:
     return paths
 
 
-async def _fuse_main() -> None:
+async def _fuse_main() -> bool:
     """pyfuse3's main loop. The kernel ends the FUSE connection with ENODEV at an unmount
-    (pyfuse3 returns), but with ECONNABORTED when it was aborted (echo 1 > .../abort under
-    /sys/fs/fuse/connections, or a kernel timeout, for a file system that asked for abort
-    errors), which pyfuse3 raises: the session is over all the same, and cachefs shuts down
-    cleanly rather than end with a traceback."""
+    (pyfuse3 returns: True), but with ECONNABORTED when it was aborted (echo 1 > .../abort
+    under /sys/fs/fuse/connections, or a kernel timeout, for a file system that asked for
+    abort errors), which pyfuse3 raises: the session is over all the same, and cachefs
+    shuts down cleanly rather than end with a traceback (False: files may be open still)."""
     try:
         await pyfuse3.main()
     except ConnectionAbortedError:
         log.warning("the kernel aborted the FUSE connection; shutting down")
+        return False
+    return True
 
 
 USER_MISTAKE = "user mistake: "     # how `ready` marks a UserError for the waiting CLI

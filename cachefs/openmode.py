@@ -154,6 +154,7 @@ class OpenModes:
         # joined open (passthrough) or a direct_io one; the next page-cache open drops it
         self._page_cache_stale: set[int] = set()
         self._fuse_dev: tuple[int, int] | None = None
+        self._ended = False             # the FUSE session is over (session_ended)
         self._cache_dio: tuple[int, int] | None = None   # the cache files' O_DIRECT rules
         self._wake = trio.Event()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -366,7 +367,13 @@ class OpenModes:
                          cf.ino, exc.strerror or exc)
             return 0
 
+    def session_ended(self) -> None:
+        """The kernel ended the FUSE session: the backing ids went with the connection."""
+        self._ended = True
+
     def _close_id(self, bid: int) -> None:
+        if self._ended:
+            return
         try:
             self._kernel.unregister(bid)
         except OSError as exc:

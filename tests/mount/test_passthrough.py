@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CACHEFS, CTL, ctl_drop, ctl_flush, pread_aligned, wait_until
+from tests.conftest import (CACHEFS, CTL, ctl_drop, ctl_flush, pread_aligned,
+                            unmount_when_released, wait_until)
 
 pytestmark = pytest.mark.fuse
 
@@ -534,6 +536,40 @@ def test_unmount_or_flush_right_after_a_mapped_write_takes_it_to_backing(pt_moun
     m.start()
     assert "shared and writable at the last stop" not in m.logs[-1].read_text()
     assert read_all(m.path("u"), direct=True) == data
+    assert m.stats()["dirty_bytes"] == 0
+
+
+def test_a_release_the_unmount_dropped_does_not_keep_a_mapped_file_marked(pt_mount, mode):
+    """The kernel sends a file's RELEASE in the background and drops it when the unmount
+    ends the connection before the daemon has read it (a busy daemon; a full suite run
+    saw it): the daemon still counted the O_RDWR open, kept the file's mark and the next
+    mount took the file as written ("mapped shared and writable at the last stop").
+    Here the daemon is stopped from the munmap (the release) to the unmount."""
+    m = pt_mount
+    data, r = held_file(m, "u")
+    w = os.open(m.path("u"), os.O_RDWR)
+    mp = mmap.mmap(w, 0)
+    try:
+        mp[4096:70000] = data[4096:70000] = os.urandom(70000 - 4096)
+        mp.flush()
+    finally:
+        os.close(w)                             # FLUSH answered; the mapping holds the file
+    os.kill(m.proc.pid, signal.SIGSTOP)
+    try:
+        mp.close()                              # the RELEASEs, queued for a stopped daemon
+        os.close(r)                             # (cachefs answers FLUSH with ENOSYS)
+        unmount_when_released(m.mnt)            # ends the connection: the RELEASE dropped
+    finally:
+        os.kill(m.proc.pid, signal.SIGCONT)
+    assert m.proc.wait(timeout=60) == 0, m.logs[-1].read_text()[-3000:]
+    m.proc = None
+    if mode == "write-through":
+        assert (m.backing / "u").read_bytes() == data
+    m.start()
+    assert "shared and writable at the last stop" not in m.logs[-1].read_text()
+    assert read_all(m.path("u"), direct=True) == data
+    ctl_flush(m)
+    assert (m.backing / "u").read_bytes() == data
     assert m.stats()["dirty_bytes"] == 0
 
 
