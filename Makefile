@@ -5,7 +5,7 @@ PYTHON ?= python3
 export PIP_BREAK_SYSTEM_PACKAGES = 1
 export PIP_ROOT_USER_ACTION = ignore
 DEB_PACKAGES = fuse3 libfuse3-dev pkg-config fio gcc python3-dev python3-pip python3-venv systemd \
-	dpkg-dev patch debian-archive-keyring rsync acl libxxhash-dev
+	dpkg-dev patch debian-archive-keyring rsync acl libxxhash-dev btrfs-progs
 
 .PHONY: install deps demo demo-stop test bench bench-quick
 

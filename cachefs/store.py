@@ -224,6 +224,11 @@ class MetadataStore:
         db = None
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            # The WAL's index in the daemon's heap, not in a mapped cachefs.db-shm: on a
+            # copy-on-write cache filesystem that filled up (btrfs) dirtying a page of that
+            # mapping again failed with SIGBUS, which ended the daemon. The price: no other
+            # process can open the database while the mount is up (none needs to).
+            db.execute("PRAGMA locking_mode=EXCLUSIVE")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             version = db.execute("PRAGMA user_version").fetchone()[0]

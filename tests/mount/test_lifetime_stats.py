@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import sqlite3
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,11 +58,21 @@ def _settled(m) -> dict:
 
 
 def _saved(cache: Path) -> dict[str, int]:
-    db = sqlite3.connect(f"file:{cache / 'cachefs.db'}?mode=ro", uri=True, timeout=10)
-    try:
-        rows = db.execute("SELECT key, value FROM meta WHERE key LIKE 'lifetime.%'").fetchall()
-    finally:
-        db.close()
+    """The totals in the database, read from a copy of it and its WAL: the daemon holds the
+    database locked while it runs (its WAL index is in its memory). A copy taken in the
+    middle of a commit reads as the commit before, or as nothing yet."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("cachefs.db", "cachefs.db-wal"):
+            if (cache / name).exists():
+                shutil.copyfile(cache / name, Path(tmp, name))
+        db = sqlite3.connect(Path(tmp, "cachefs.db"))
+        try:
+            rows = db.execute("SELECT key, value FROM meta WHERE key LIKE 'lifetime.%'"
+                              ).fetchall()
+        except sqlite3.DatabaseError:
+            rows = []
+        finally:
+            db.close()
     return {k[len("lifetime."):]: float(v) if k == "lifetime.since" else int(v)
             for k, v in rows}
 

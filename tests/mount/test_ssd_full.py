@@ -5,10 +5,11 @@ retried, and no acknowledged byte is lost."""
 import errno
 import os
 import subprocess
+import time
 
 import pytest
 
-from tests.conftest import CACHEFS, CTL, wait_until, pread_aligned
+from tests.conftest import CACHEFS, CTL, ctl_flush, wait_until, pread_aligned
 
 pytestmark = pytest.mark.fuse
 
@@ -89,6 +90,46 @@ def test_full_cache_filesystem_keeps_the_mount(make_mount, make_tmpfs, mode):
     for name, data in model.items():
         assert (m.backing / name).read_bytes() == data, name
 
+
+
+def test_a_full_copy_on_write_cache_filesystem_keeps_the_daemon(make_mount, make_loopfs,
+                                                                 mode):
+    """On a btrfs that filled up the daemon died of SIGBUS (exit 135, a helper's hunt):
+    SQLite kept the WAL's index in a mapped file, cachefs.db-shm, and dirtying one of its
+    pages again needs a new block on a copy-on-write filesystem. ext4, xfs and tmpfs answer
+    such a write with an error instead, which the store handles."""
+    m = make_mount("--mode", mode, "--cache-size", "24M", "--dirty-high", "16M",
+                   "--dirty-low", "12M", "--max-dirty-age", "1000", "--sequential-cutoff", "0")
+    m.stop()
+    fs = make_loopfs("btrfs", 300)
+    m.cache = fs / "cache"
+    r = os.urandom(12 * MiB)
+    (m.backing / "r").write_bytes(r)
+    m.start()
+    d = os.urandom(4 * MiB)
+    with open(m.path("d"), "wb") as f:
+        f.write(d)
+        f.flush()
+        os.fsync(f.fileno())
+    fill_up(fs / "tenant")
+    e = b""
+    for _ in range(15):                         # commits need new blocks now
+        assert m.path("r").read_bytes() == r
+        chunk = os.urandom(70000)
+        with open(m.path("e"), "ab") as f:
+            f.write(chunk)
+        e += chunk
+        assert m.path("d").read_bytes() == d
+        time.sleep(0.2)
+    assert m.proc.poll() is None, m.logs[-1].read_text()[-3000:]
+    m.stop(check=False)
+    assert "Bus error" not in m.logs[-1].read_text()
+    os.unlink(fs / "tenant")
+    m.start()
+    assert m.path("d").read_bytes() == d and m.path("e").read_bytes() == e
+    ctl_flush(m)
+    assert (m.backing / "d").read_bytes() == d and (m.backing / "e").read_bytes() == e
+    m.stop()
 
 
 def write_back_on_tiny_fs(make_mount, make_tmpfs):
