@@ -313,21 +313,16 @@ def flush_all(m: Mount) -> None:
 def make_tmpfs(tmp_path):
     """Factory: make_tmpfs(size) mounts a tmpfs of that size (a small cache filesystem) and
     returns its path; every one is unmounted at the end, also on failure."""
-    made: list[Path] = []
+    with unmounted_at_end() as made:
+        def make(size: str) -> Path:
+            where = tmp_path / f"tmpfs{len(made)}"
+            where.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                            str(where)], check=True)
+            made.append(where)
+            return where
 
-    def make(size: str) -> Path:
-        where = tmp_path / f"tmpfs{len(made)}"
-        where.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                       check=True)
-        made.append(where)
-        return where
-
-    try:
         yield make
-    finally:
-        for where in made:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 @pytest.fixture
@@ -335,27 +330,34 @@ def make_loopfs(tmp_path):
     """Factory: make_loopfs(kind, size_mib) makes a filesystem of that kind (btrfs, xfs) in a
     sparse image file, mounts it through a loop device and returns its path (skips where
     its mkfs or loop devices are missing); every one is unmounted at the end."""
-    made: list[Path] = []
+    with unmounted_at_end() as made:
+        def make(kind: str, size_mib: int) -> Path:
+            mkfs = shutil.which(f"mkfs.{kind}")
+            if mkfs is None:
+                pytest.skip(f"mkfs.{kind} is not installed")
+            image = tmp_path / f"{kind}{len(made)}.img"
+            with open(image, "wb") as f:
+                f.truncate(size_mib << 20)
+            subprocess.run([mkfs, "-q", "-f", str(image)], check=True, capture_output=True)
+            where = tmp_path / f"{kind}{len(made)}"
+            where.mkdir()
+            res = subprocess.run(["mount", "-o", "loop", str(image), str(where)],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                pytest.skip(f"no loop mount here: {res.stderr.strip()}")
+            made.append(where)
+            return where
 
-    def make(kind: str, size_mib: int) -> Path:
-        mkfs = shutil.which(f"mkfs.{kind}")
-        if mkfs is None:
-            pytest.skip(f"mkfs.{kind} is not installed")
-        image = tmp_path / f"{kind}{len(made)}.img"
-        with open(image, "wb") as f:
-            f.truncate(size_mib << 20)
-        subprocess.run([mkfs, "-q", "-f", str(image)], check=True, capture_output=True)
-        where = tmp_path / f"{kind}{len(made)}"
-        where.mkdir()
-        res = subprocess.run(["mount", "-o", "loop", str(image), str(where)],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            pytest.skip(f"no loop mount here: {res.stderr.strip()}")
-        made.append(where)
-        return where
-
-    try:
         yield make
+
+
+@contextlib.contextmanager
+def unmounted_at_end():
+    """The list of filesystems a fixture mounted: each is unmounted (lazily) at the end,
+    also when the test failed."""
+    made: list[Path] = []
+    try:
+        yield made
     finally:
         for where in made:
             subprocess.run(["umount", "-l", str(where)], capture_output=True)
