@@ -42,7 +42,7 @@ demo-stop:
 # Three workers on two cores: the mount tests mostly wait (on FUSE round trips, promotions,
 # destages, daemons starting and stopping), so the suite runs in about half the time.
 test: install
-	$(PYTHON) -m pytest -q -n 3
+	$(PYTHON) -m pytest -q -n 3 --durations=15
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick
