@@ -101,9 +101,12 @@ class Backing:
             return result
         health = self.health
         period = health.period
+        n = health.read_seq = health.read_seq + 1
+        health.reads[n] = _now()                # the thread takes it out when fn returns
         try:
             with trio.move_on_after(self.timeout_s):
-                result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter,
+                result = await trio.to_thread.run_sync(_read_done, health.reads, n, fn, args,
+                                                       limiter=self._limiter,
                                                        **{_ABANDON_KW: True})
                 health.ok_s = _now()
                 if health.failing_since_s is not None:
@@ -210,6 +213,15 @@ class Backing:
 
 
 _now = time.monotonic
+
+
+def _read_done(reads: dict, n: int, fn: Callable[..., Any], args: tuple) -> Any:
+    """A read call in its thread: done (returned or raised), also after its caller timed
+    out and went on (BackingHealth.reads_hung)."""
+    try:
+        return fn(*args)
+    finally:
+        reads.pop(n, None)
 
 # The operation a function performs, for the log (read_call callers name theirs).
 _OP_NAMES = {"_pwrite_stat": "write", "pwrite_all": "write", "truncate_stat": "truncate",

@@ -216,6 +216,7 @@ class Cache:
         if named:
             cf.path = path
         cf.open_count += 1
+        cf.open_st = st
         if flags & os.O_TRUNC:
             # Linux truncates at O_RDONLY | O_TRUNC too (the kernel checked write permission):
             # by path then, the descriptor being read-only.
@@ -319,6 +320,8 @@ class Cache:
         """Drop a handle; returns the BACKING fds for the caller to close in a thread."""
         cf = of.cfile
         cf.open_count -= 1
+        if not cf.open_count:
+            cf.open_st = None
         if cf.doomed and cf.open_count == 0 and self.files.get(cf.ino) is cf:
             self.state.discard(cf)
         self.cachefiles.close_idle(cf)

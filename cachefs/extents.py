@@ -97,7 +97,7 @@ class CachedFile:
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
-                 "kernel_stale", "attrs_stale", "atime_read", "caps", "birth")
+                 "kernel_stale", "attrs_stale", "atime_read", "caps", "birth", "open_st")
 
     @property
     def identity(self) -> tuple[int, int, int, int] | None:
@@ -128,6 +128,9 @@ class CachedFile:
         self.atime_read: tuple[int, int, int] | None = None  # cache.atime_due's last
         self.caps: bytes | None = None     # security.capability set after the last write
         self.birth = 0                     # BACKING's birth time of the file (ns), 0: unknown
+        # BACKING's stat last seen while handles are open (from the open on): what getattr
+        # answers for them while BACKING does not answer (fs.getattr)
+        self.open_st: os.stat_result | None = None
         # ext -> {id: [block mask, tainted mask]} of write-through writes in flight: a block
         # two of them touched at once has an unknown last writer in BACKING (tainted)
         self.wtrack: dict[int, dict[int, list[int]]] = {}

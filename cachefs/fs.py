@@ -25,6 +25,7 @@ from . import control, trace
 from .attrs import Attributes
 from .cache import Cache
 from .config import Config
+from .errors import BackingTimeout
 from .handles import Handles
 from .hit import install_fast_hits
 from .inodes import ROOT_INODE, InodeTable
@@ -82,6 +83,7 @@ class Operations(pyfuse3.Operations):
         self._cfg = cfg
         self._cache = cache
         self._ns = cache.namespace                # BACKING's namespace, through the engine
+        self._backing_health = cache.backing.health
         self._inodes = inodes
         self._control_path = os.fsencode(control_path)
         # fh -> (ino, snapshot, dir_seq, BACKING descriptor of the directory or -1)
@@ -236,26 +238,50 @@ class Operations(pyfuse3.Operations):
 
     @_errno_mapped
     async def getattr(self, inode, ctx=None):
+        cf = self._cache.files.get(inode)
+        last = cf.open_st if cf is not None else None
+        if last is not None and self._backing_health.reads_hung(self._cfg.backing_timeout_s):
+            return self._attrs_last_seen(last, inode)
         token = self._cache.stat_token(inode)
+        try:
+            st = await self._stat(inode)
+        except BackingTimeout:
+            if last is None:
+                raise
+            return self._attrs_last_seen(last, inode)
+        if isinstance(st, pyfuse3.EntryAttributes):
+            return st
+        self._cache.attributes_seen(inode, st, token)
+        if cf is not None and cf.open_count:
+            cf.open_st = st
+        return self._attr(st, inode, token)
+
+    def _attrs_last_seen(self, st: os.stat_result, inode: int) -> pyfuse3.EntryAttributes:
+        """BACKING does not answer (a stat of it timed out, or one has hung for
+        --backing-timeout): a file with open handles gets the attributes last seen. The
+        kernel asks for them before reads once --attr-timeout has passed (auto_inval_data),
+        and an EIO failed the reads of descriptors opened before the hang, which the cache
+        serves (a helper's hunt); new opens and lookups still fail."""
+        self._limited.info(("attrs last seen",), "BACKING does not answer: files with open "
+                           "descriptors get the attributes last seen (inode %d)", inode)
+        return self._attr(st, inode)
+
+    async def _stat(self, inode: int) -> os.stat_result | pyfuse3.EntryAttributes:
         with self._fds.borrow(inode) as fd:
             if fd is not None:
-                st = await self._ns.fstat(fd)
-            elif inode in self._removed_dirs:
+                return await self._ns.fstat(fd)
+            if inode in self._removed_dirs:
                 a = self._attr(self._removed_dirs[inode], inode)
                 a.st_nlink = 0
                 return a
-            else:
-                try:
-                    path = self._inodes.path(inode)
-                except OSError as exc:
-                    held = self._inodes.held_fd(inode)      # no known name reaches it
-                    if held < 0:
-                        raise to_fuse_error(exc) from None
-                    st = await self._ns.fstat(held)
-                else:
-                    st = await self._stat_by_path(inode, path)
-        self._cache.attributes_seen(inode, st, token)
-        return self._attr(st, inode, token)
+            try:
+                path = self._inodes.path(inode)
+            except OSError as exc:
+                held = self._inodes.held_fd(inode)      # no known name reaches it
+                if held < 0:
+                    raise to_fuse_error(exc) from None
+                return await self._ns.fstat(held)
+            return await self._stat_by_path(inode, path)
 
     async def setattr(self, inode, attr, fields, fh, ctx):
         with self._fds.borrow(inode, fh, writable=bool(fields.update_size)) as fd:

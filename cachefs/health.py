@@ -103,6 +103,10 @@ class BackingHealth:
         self.write_seq = 0
         self.writes: dict[int, tuple] = {}
         self.stall: tuple[str, float] | None = None     # (what, monotonic start)
+        # Read calls in threads: n -> monotonic start; each thread takes its own out when
+        # its call returns, also one whose caller timed out (reads_hung).
+        self.read_seq = 0
+        self.reads: dict[int, float] = {}
 
     # -- outcomes (Backing reports them) ----------------------------------------------------
 
@@ -186,6 +190,14 @@ class BackingHealth:
                            "(%s took %.0f s or more)", limit_s, self.stall[0],
                            now - self.stall[1])
             self.stall = None
+
+    def reads_hung(self, limit_s: float) -> bool:
+        """A read call of BACKING has run `limit_s` or longer and not returned yet (its
+        caller got EIO at the timeout): BACKING does not answer now."""
+        if not self.reads:
+            return False
+        now = self._clock()
+        return any(now - t >= limit_s for t in list(self.reads.values()))
 
     # -- reporting --------------------------------------------------------------------------
 

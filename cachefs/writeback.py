@@ -172,7 +172,10 @@ class Destager:
         losing the SSD can lose, docs/operations.md). One sleep did before, whatever the
         destager achieved meanwhile: a writer beside a busy CPU took it 30 % over. While
         destaging fails (BACKING errors, timeouts) holding writers makes no room: after one
-        sleep they go on, and dirty data grows on the SSD, as the log and stats say."""
+        sleep they go on, and dirty data grows on the SSD, as the log and stats say. So
+        while BACKING is stalled (a write of it has not returned for --backing-timeout: a
+        hung server, whose calls neither fail nor end): writers were held for as long as
+        the hang lasted, 90 s for a 90 s hang (a helper's hunt)."""
         if not self.high:
             return
         counted = False
@@ -198,7 +201,7 @@ class Destager:
                 self._stats.throttled_writes += 1
             self._stats.throttle_delay_ns += int(delay * 1e9)
             await trio.sleep(delay)
-            if self.failing():
+            if self.failing() or self._backing.health.stall is not None:
                 return
 
     def _check_release(self) -> None:

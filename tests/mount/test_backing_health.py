@@ -18,8 +18,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import (CACHEFS, CTL, force_unmount, pread_aligned,  # noqa: E402
-                            wait_until, warm)
+from tests.conftest import (CACHEFS, CTL, ctl_flush, force_unmount,  # noqa: E402
+                            pread_aligned, wait_until, warm)
 
 pytestmark = pytest.mark.fuse
 KiB = 1024
@@ -163,6 +163,79 @@ def test_a_hung_backing_write_shows_as_a_stall_then_ends(slow_backing, make_moun
     stalled = re.findall(r"BACKING stalled: [\w ]+ of \S*cold has not returned after \d+ s", text)
     over = re.findall(r"BACKING stall over: no write has been waiting 1 s or longer", text)
     assert len(stalled) == 1 and len(over) == 1, text[-3000:]
+    m.stop()
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_descriptors_opened_before_a_hang_keep_reading_cached_data(slow_backing, make_mount,
+                                                                   mode):
+    """The kernel asks for a file's attributes before a read once --attr-timeout has
+    passed; cachefs's getattr asked BACKING, and its timeout failed every read of the
+    descriptor with EIO although the cache holds the data (a helper's hunt). A file with
+    open descriptors gets the attributes last seen while BACKING does not answer, at once
+    while one of its calls hangs (new opens still fail)."""
+    src, slow, sf = slow_backing
+    m = make_mount("--mode", mode, "--backing-timeout", "1", "--attr-timeout", "0.2",
+                   "--no-passthrough", backing=slow)
+    hot = (src / "hot").read_bytes()
+    warm(m, "hot", len(hot))
+    fd = os.open(m.path("hot"), os.O_RDONLY)
+    try:
+        sf.set(hang=1)
+        took = []
+        for i in range(6):
+            time.sleep(0.3)                     # the kernel's attributes expire
+            off = random.randrange(0, len(hot) - 8192)
+            t = time.monotonic()
+            assert os.pread(fd, 8192, off) == hot[off:off + 8192], i
+            took.append(time.monotonic() - t)
+        assert max(took[1:]) < 0.5, took        # the first one waited for the timeout
+        assert m.stats()["backing_health"]["state"] == "failing"
+        # (no new open here: a lookup hung in slowfs's root holds the root's lock, which
+        # the setxattr that ends the hang needs)
+        sf.set(hang=0)
+        with open(src / "hot", "ab") as f:          # BACKING answers again: seen
+            f.write(b"more")
+        wait_until(lambda: os.fstat(fd).st_size == len(hot) + 4, 20, m.proc,
+                   "BACKING's new size")
+    finally:
+        sf.set(hang=0)
+        os.close(fd)
+    assert "files with open descriptors get the attributes last seen" in \
+        m.logs[-1].read_text()
+    m.stop()
+
+
+def test_writes_past_the_high_mark_go_on_while_backing_hangs(slow_backing, make_mount):
+    """Write-back: a write past --dirty-high waits for the destager to make room; while
+    BACKING hangs none is made, and the writer waited for the whole hang (90 s for a 90 s
+    hang, a helper's hunt) although the pool had room. Once BACKING is stalled (a write has
+    not returned for --backing-timeout) held writes go on after one sleep; nothing is lost."""
+    src, slow, sf = slow_backing
+    m = make_mount("--mode", "write-back", "--backing-timeout", "1", "--dirty-high", "1M",
+                   "--dirty-low", "512K", "--cache-size", "64M", backing=slow)
+    data = bytearray(os.urandom(8 << 20))
+    fd = os.open(m.path("w"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data[:4096], 0)
+        os.fsync(fd)
+        sf.set(hang=1)
+        ends = threading.Timer(30, sf.set, kwargs={"hang": 0})    # held writers fail below
+        ends.start()
+        t = time.monotonic()
+        try:
+            for i in range(8):
+                os.pwrite(fd, data[i << 20:(i + 1) << 20], i << 20)
+                assert time.monotonic() - t < 25, f"write {i}: held for the hang"
+        finally:
+            ends.cancel()
+        assert m.stats()["dirty_bytes"] >= 6 << 20
+        assert m.stats()["backing_health"]["state"] == "stalled"
+    finally:
+        sf.set(hang=0)
+        os.close(fd)
+    ctl_flush(m)
+    assert (src / "w").read_bytes() == data
     m.stop()
 
 
