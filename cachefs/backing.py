@@ -26,7 +26,7 @@ from .health import COUNTED, BackingHealth
 from .statx import fresh_fstat
 from .libc import libc
 
-_ABANDON_KW = ("abandon_on_cancel" if "abandon_on_cancel"
+ABANDON_KW = ("abandon_on_cancel" if "abandon_on_cancel"
                in inspect.signature(trio.to_thread.run_sync).parameters else "cancellable")
 
 
@@ -107,7 +107,7 @@ class Backing:
             with trio.move_on_after(self.timeout_s):
                 result = await trio.to_thread.run_sync(_read_done, health.reads, n, fn, args,
                                                        limiter=self._limiter,
-                                                       **{_ABANDON_KW: True})
+                                                       **{ABANDON_KW: True})
                 health.ok_s = _now()
                 if health.failing_since_s is not None:
                     health.succeeded(what, period)
@@ -138,7 +138,7 @@ class Backing:
         health.writes[n] = (fn, args, _now())          # a write that never returns shows
         try:
             result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter,
-                                                   **{_ABANDON_KW: abandon_on_cancel})
+                                                   **{ABANDON_KW: abandon_on_cancel})
         except OSError as exc:
             if counted(fn, exc):
                 health.failed(op_name(fn), exc, self.describe(fn, args))

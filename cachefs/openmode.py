@@ -45,12 +45,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import trio
 
 from . import mounttable
-from .backing import fs_type
+from .backing import ABANDON_KW, fs_type
 from .config import EXT_SIZE
 from .extents import CachedFile
 from .hit import OpenFile
@@ -64,6 +65,7 @@ COMPLETE_MAX_BYTES = 256 << 20  # a file missing more is not completed in the ba
 REFRESH_MAX_BYTES = 1 << 30     # nor, with more to read, refreshed before an open (refresh)
 REFRESH_TRIES = 3               # loads overtaken by writes are tried again
 HOLD_CHECK_S = 1.0              # how often held files without opens are looked at
+MAPS_SCAN_S = 5.0               # a look through /proc/*/maps longer than this: unknown
 FUSE_SUPER_MAGIC, OVERLAYFS_SUPER_MAGIC = 0x65735546, 0x794C7630
 CAP_SYS_ADMIN = 21
 
@@ -155,6 +157,7 @@ class OpenModes:
         self._page_cache_stale: set[int] = set()
         self._fuse_dev: tuple[int, int] | None = None
         self._ended = False             # the FUSE session is over (session_ended)
+        self._maps = MapsScanner()
         self._cache_dio: tuple[int, int] | None = None   # the cache files' O_DIRECT rules
         self._wake = trio.Event()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -465,8 +468,7 @@ class OpenModes:
                 idle = {ino: h.generation for ino, h in self.held.items() if _idle(h)}
                 if not idle:
                     break
-                mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev,
-                                                       set(idle))
+                mapped = await self._maps.scan(self._fuse_dev, set(idle))
                 for ino, gen in idle.items():
                     h = self.held.get(ino)
                     if h is None or h.generation != gen or ino in mapped:
@@ -527,7 +529,7 @@ class OpenModes:
                  if h.mapped_writable and not h.writers}
         if not wrote:
             return
-        mapped = await trio.to_thread.run_sync(mapped_inodes, self._fuse_dev, set(wrote))
+        mapped = await self._maps.scan(self._fuse_dev, set(wrote))
         for ino, gen in wrote.items():
             h = self.held.get(ino)
             if h is None or h.writers or h.generation != gen or ino in mapped:
@@ -550,6 +552,40 @@ class OpenModes:
             "passthrough_held_files": len(self.held),
             "passthrough_held_bytes": held_exts * EXT_SIZE,
         }
+
+
+class MapsScanner:
+    """mapped_inodes in a thread, for at most MAPS_SCAN_S. Opening a process's
+    /proc/PID/maps waits for that process's exec lock, which a process stuck in a hung
+    FUSE or NFS request may hold for as long as it hangs: an unmount waited 19 minutes for
+    a scan (a helper's hunt, another mount hung on the host). A scan that does not finish
+    in time counts every file as mapped (held files stay held, their marks stay: the next
+    mount takes such a file as written); until that scan's thread returns, none starts."""
+
+    def __init__(self, limit_s: float = MAPS_SCAN_S):
+        self.limit_s = limit_s
+        self._stuck: threading.Event | None = None      # set when the stuck scan returns
+
+    async def scan(self, fuse_dev: tuple[int, int] | None, inos: set[int]) -> set[int]:
+        if self._stuck is not None:
+            if not self._stuck.is_set():
+                return set(inos)
+            self._stuck = None
+        done = threading.Event()
+
+        def scan_maps() -> set[int]:
+            try:
+                return mapped_inodes(fuse_dev, inos)
+            finally:
+                done.set()
+
+        with trio.move_on_after(self.limit_s):
+            return await trio.to_thread.run_sync(scan_maps, **{ABANDON_KW: True})
+        self._stuck = done
+        log.warning("looking for mappings of held files in /proc/*/maps took over %g s (a "
+                    "process on this host is stuck, in a hung mount?); they count as mapped "
+                    "until a look succeeds", self.limit_s)
+        return set(inos)
 
 
 def mapped_inodes(fuse_dev: tuple[int, int] | None, inos: set[int]) -> set[int]:
