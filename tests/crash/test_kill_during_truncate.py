@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ctl_flush, force_unmount
+from tests.conftest import ctl_flush, force_unmount, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
@@ -50,7 +50,11 @@ def test_a_kill_during_a_shrinks_backing_call_keeps_a_whole_state(make_mount, tm
             sf.set(hang=1)
             t = threading.Thread(target=_truncate, args=(fd,), daemon=True)
             t.start()
-            time.sleep(1.0)
+            # Killed once BACKING's cut is under way (the shrink is recorded before it): a
+            # fixed second was not always enough on a loaded machine (the old, whole state
+            # came back: the kill came before the record).
+            wait_until(lambda: sf.stats()["hung"] >= 1, 30, m.proc, "BACKING's cut")
+            time.sleep(0.2)
             assert t.is_alive(), "the truncate did not wait for BACKING"
             m.proc.kill()
             time.sleep(0.2)
