@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,20 +31,36 @@ COLUMNS = ["workload", "system", "IOPS", "MB/s", "read / write IOPS", "mean lat 
            "BACKING MiB", "hit ratio", "daemon CPU %", "coherence drops"]
 
 
+PREFIX = "/var/tmp/cachefs-bench."
+
+
 def mounted_under(prefix: str) -> list[str]:
     with open("/proc/self/mounts") as f:
         return [ln.split()[1] for ln in f if ln.split()[1].startswith(prefix)]
 
 
 def test_quick_runner_table(tmp_path):
-    before = set(mounted_under("/var/tmp/cachefs-bench."))
+    before = set(mounted_under(PREFIX))
     out = tmp_path / "out"
-    res = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "run.py"), "--quick", "--only", "nlvmug-read",
          "--size", "16M", "--runtime", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=150, cwd=REPO)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+        left = set(mounted_under(PREFIX)) - before
+    finally:
+        # A runner stopped by the timeout left its mounts and daemons (a loaded CI run):
+        # they go with it, also when the test fails.
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for mnt in set(mounted_under(PREFIX)) - before:
+            subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert set(mounted_under("/var/tmp/cachefs-bench.")) <= before, "runner left mounts"
+    assert not left, f"runner left mounts: {left}"
 
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("| nlvmug-read ")
              or ln.startswith("| workload ")]
