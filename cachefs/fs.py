@@ -241,14 +241,14 @@ class Operations(pyfuse3.Operations):
         cf = self._cache.files.get(inode)
         last = cf.open_st if cf is not None else None
         if last is not None and self._backing_health.reads_hung(self._cfg.backing_timeout_s):
-            return self._attrs_last_seen(last, inode)
+            return self._attrs_last_seen(cf)
         token = self._cache.stat_token(inode)
         try:
             st = await self._stat(inode)
         except BackingTimeout:
             if last is None:
                 raise
-            return self._attrs_last_seen(last, inode)
+            return self._attrs_last_seen(cf)
         if isinstance(st, pyfuse3.EntryAttributes):
             return st
         self._cache.attributes_seen(inode, st, token)
@@ -256,15 +256,18 @@ class Operations(pyfuse3.Operations):
             cf.open_st = st
         return self._attr(st, inode, token)
 
-    def _attrs_last_seen(self, st: os.stat_result, inode: int) -> pyfuse3.EntryAttributes:
+    def _attrs_last_seen(self, cf) -> pyfuse3.EntryAttributes:
         """BACKING does not answer (a stat of it timed out, or one has hung for
-        --backing-timeout): a file with open handles gets the attributes last seen. The
-        kernel asks for them before reads once --attr-timeout has passed (auto_inval_data),
-        and an EIO failed the reads of descriptors opened before the hang, which the cache
-        serves (a helper's hunt); new opens and lookups still fail."""
+        --backing-timeout): a file with open handles gets the attributes last seen, with
+        the size the engine knows (own writes since that stat moved it). The kernel asks
+        for them before reads once --attr-timeout has passed (auto_inval_data), and an EIO
+        failed the reads of descriptors opened before the hang, which the cache serves (a
+        helper's hunt); new opens and lookups still fail."""
         self._limited.info(("attrs last seen",), "BACKING does not answer: files with open "
-                           "descriptors get the attributes last seen (inode %d)", inode)
-        return self._attr(st, inode)
+                           "descriptors get the attributes last seen (inode %d)", cf.ino)
+        a = self._attr(cf.open_st, cf.ino)
+        a.st_size = cf.size
+        return a
 
     async def _stat(self, inode: int) -> os.stat_result | pyfuse3.EntryAttributes:
         with self._fds.borrow(inode) as fd:
