@@ -825,7 +825,7 @@ def _raise_max_background(mountpoint: str, value: int) -> None:
     """
     target = os.path.abspath(mountpoint)
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 fields = line.split()
                 if fields[4] == target:

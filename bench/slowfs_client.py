@@ -60,7 +60,7 @@ def reset(mnt: str | os.PathLike) -> None:
 def is_mounted(mnt: str | os.PathLike) -> bool:
     """True if *mnt* appears in /proc/self/mountinfo (also when its daemon is dead)."""
     target = os.path.abspath(mnt)
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         for line in f:
             field = line.split()[4]
             field = (field.replace("\\040", " ").replace("\\011", "\t")

@@ -22,7 +22,7 @@ def unescape(field: str) -> str:
 def mounts() -> list[tuple[str, str]]:
     """(mountpoint, fstype) of every mount, mountpoints unescaped."""
     out = []
-    with open("/proc/self/mounts") as f:
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
         for line in f:
             fields = line.split()
             if len(fields) > 2:
@@ -34,7 +34,7 @@ def device_of(real_mountpoint: str) -> str | None:
     """The minor device number (the fusectl connection name) of the mount on
     `real_mountpoint` (a real path), from /proc/self/mountinfo; None if not mounted."""
     dev = None
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         for line in f:
             fields = line.split()
             if len(fields) > 4 and unescape(fields[4]) == real_mountpoint:
@@ -47,7 +47,7 @@ def users_of(real_mountpoint: str) -> list[str]:
     (the same device) and mounts whose options name a path in it (overlayfs's lowerdir,
     upperdir, workdir). Unmounting it then only detaches it; the daemon serves them on."""
     rows = []
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         for line in f:
             fields = line.split()
             if len(fields) > 4 and "-" in fields:

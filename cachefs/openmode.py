@@ -636,7 +636,7 @@ def _has_cap_sys_admin() -> bool:
 def fuse_device(real_mountpoint: str) -> tuple[int, int] | None:
     """(major, minor) of the mount on `real_mountpoint`, from /proc/self/mountinfo."""
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 fields = line.split()
                 if len(fields) > 4 and mounttable.unescape(fields[4]) == real_mountpoint:

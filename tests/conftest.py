@@ -92,7 +92,7 @@ def wait_until(cond, timeout_s: float = 15, proc: subprocess.Popen | None = None
 
 def is_mounted(path: str | Path) -> bool:
     path = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
         return any(line.split()[1] == path for line in f)
 
 

@@ -35,7 +35,7 @@ PREFIX = "/var/tmp/cachefs-bench."
 
 
 def mounted_under(prefix: str) -> list[str]:
-    with open("/proc/self/mounts") as f:
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
         return [ln.split()[1] for ln in f if ln.split()[1].startswith(prefix)]
 
 

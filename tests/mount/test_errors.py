@@ -685,6 +685,33 @@ def test_foreign_cache_directory_is_refused(make_mount, env, tmp_path, foreign):
 
 # -- the background mode's success path --------------------------------------------------------
 
+def test_a_mount_named_in_bytes_not_utf8_on_the_host_stops_nothing(env):
+    """Any mount on the host whose path is not UTF-8 (a USB stick's label, a helper's
+    test) made every reader of the mount table fail with a UnicodeDecodeError traceback:
+    `cachefs mount`, `cachefs-ctl`, `cachefs umount` and the daemon's own unmount. Ours
+    may be named so too."""
+    odd = env.tmp / os.fsdecode(b"other\xff dir")
+    odd.mkdir()
+    mnt = env.tmp / os.fsdecode(b"mnt\xfe")
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(odd)], check=True)
+    try:
+        res = env.mount(mnt=mnt)
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+        (env.backing / "in").write_bytes(b"from backing")
+        assert (mnt / "in").read_bytes() == b"from backing"
+        stats = run([*CTL, "stats", str(mnt), "--json"])
+        assert stats.returncode == 0, stats.stderr
+        res = run([*CACHEFS, "umount", str(mnt)])
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(mnt)
+        log = (env.cache / "cachefs.log").read_text()
+        assert "Traceback" not in log and " ERROR " not in log, log
+    finally:
+        force_unmount(mnt)
+        subprocess.run(["umount", "-l", str(odd)], capture_output=True)
+
+
 def test_background_mount_and_umount(env):
     t0 = time.monotonic()
     res = env.mount()

@@ -63,7 +63,7 @@ def test_unknown_eviction_policy_is_a_sentence(tmp_path):
 
 
 def _mount_flags(mnt) -> set[str]:
-    for line in open("/proc/mounts"):
+    for line in open("/proc/mounts", errors="surrogateescape"):
         fields = line.split()
         if fields[1] == str(mnt):
             return set(fields[3].split(","))

@@ -25,7 +25,7 @@ def test_kernel_may_keep_more_requests_in_flight(mounted):
     if os.geteuid() != 0:
         pytest.skip("needs root")
     real = os.path.realpath(mounted.mnt)
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         dev = next(line.split()[2].split(":")[1] for line in f if line.split()[4] == real)
     with open(f"/sys/fs/fuse/connections/{dev}/max_background") as f:
         assert int(f.read()) == 64
