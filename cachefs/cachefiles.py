@@ -24,9 +24,11 @@ _FALLOC_PUNCH = 0x01 | 0x02          # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOL
 class CacheFiles:
     """The cache files of one cache directory."""
 
-    def __init__(self, cache_dir: str, made: Callable[[CachedFile], None] | None = None):
+    def __init__(self, cache_dir: str, made: Callable[[CachedFile], None] | None = None,
+                 restored: Callable[[CachedFile, int, OSError | None], None] | None = None):
         self.data_dir = os.path.join(cache_dir, "data")
         self._made = made           # told of every cache file made (CacheState.cache_file_made)
+        self._restored = restored   # told of every one written again (CacheState.cache_file_restored)
 
     def path(self, ino: int) -> str:
         return os.path.join(self.data_dir, "%02x" % (ino & 0xFF), str(ino))
@@ -57,10 +59,64 @@ class CacheFiles:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def close_idle(self, cf: CachedFile) -> None:
-        """Close the descriptor of a file no handle has open."""
+        """Close the descriptor of a file no handle has open. A cache file removed behind the
+        daemon while open (an operator, a cleaner of old files) lives on in this descriptor
+        only: before it is closed, its data is written again under its name (`restore`);
+        closed with it, the file's dirty blocks were lost at the next open."""
         if cf.open_count == 0 and cf.cache_fd >= 0:
-            os.close(cf.cache_fd)
-            cf.cache_fd = -1
+            fd, cf.cache_fd = cf.cache_fd, -1
+            try:
+                if cf.extents and self._restored is not None and os.fstat(fd).st_nlink == 0:
+                    try:
+                        self._restored(cf, self.restore(cf.ino, fd), None)
+                    except OSError as e:
+                        self._restored(cf, 0, e)
+            finally:
+                os.close(fd)
+
+    def restore(self, ino: int, fd: int) -> int:
+        """Copy the data of the unlinked cache file open as `fd` into a new cache file under
+        its name, made durable before `fd` goes (the old one's blocks were; a crash right
+        after must find them). Holes stay holes. Runs on the caller's thread: a rare repair,
+        as long as the file's cached data takes to copy. Returns the bytes copied."""
+        path = self.path(ino)
+        tmp = path + ".restore"
+        out = self._make(tmp)
+        copied = 0
+        try:
+            end = os.fstat(fd).st_size
+            os.ftruncate(out, end)
+            pos = 0
+            while pos < end:
+                try:
+                    pos = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno != errno.ENXIO:      # ENXIO: only a hole is left
+                        raise
+                    break
+                stop = os.lseek(fd, pos, os.SEEK_HOLE)
+                while pos < stop:
+                    n = os.copy_file_range(fd, out, stop - pos, pos, pos)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"copy of {path} stopped at byte {pos}")
+                    pos += n
+                    copied += n
+            os.fdatasync(out)
+            os.rename(tmp, path)
+            dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(out)
+        return copied
 
     def truncate(self, cf: CachedFile, size: int) -> None:
         """Cut (or extend with a hole) the cache file; a missing one is left missing."""

@@ -60,6 +60,8 @@ COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
     ("stale_files", "stale_files", "Files found changed behind the cache."),
     ("backing_errors", "backing_errors", "Failed BACKING calls."),
     ("cache_errors", "cache_errors", "Failed SSD calls."),
+    ("cache_files_restored", "cache_files_restored", "Cache files removed behind cachefs "
+     "while open, whose data was written again under their names at the last close."),
     ("checksum_errors", "checksum_errors", "Clean cached blocks that failed their checksums "
      "(dropped, read from BACKING)."),
     ("checksum_dirty_errors", "checksum_dirty_errors", "Dirty cached blocks that failed "

@@ -67,7 +67,8 @@ class CacheState:
         self.pool = (S3Fifo if cfg.eviction == "s3-fifo" else Clock)(capacity_exts)
         self.admission = Admission(cfg.promote_after)
         self.dirty = DirtyIndex()                # write-back: extents newer than BACKING
-        self.cachefiles = CacheFiles(cfg.cache_dir, self.cache_file_made)
+        self.cachefiles = CacheFiles(cfg.cache_dir, self.cache_file_made,
+                                     self.cache_file_restored)
         self.persister = Persister(store, self.cachefiles, stats, self, cfg.commit_interval_s)
         self.map = ExtentMap(self.files, self.pool, self.dirty, store, self.persister,
                              self.cachefiles.path, check=cfg.check_invariants)
@@ -533,6 +534,19 @@ class CacheState:
                   os.fsdecode(cf.path or b"?"), self.cachefiles.path(cf.ino), clean,
                   f"; {dirty} DIRTY blocks not yet in BACKING are lost: reads of them fail "
                   "with EIO and they are not destaged until rewritten whole" if dirty else "")
+
+    def cache_file_restored(self, cf: CachedFile, copied: int, err: OSError | None) -> None:
+        """The cache file of `cf` was removed behind the daemon while it was open; at its
+        close its data was copied under its name again (or could not be: then the next open
+        finds it gone, cache_file_made)."""
+        self.stats.cache_files_restored += err is None
+        if err is not None:
+            self.stats.cache_errors += 1
+        log.log(logging.WARNING if err is None else logging.ERROR,
+                "the cache file of %s (%s) was removed behind cachefs while open: %s",
+                os.fsdecode(cf.path or b"?"), self.cachefiles.path(cf.ino),
+                f"its {format_size(copied)} of data written again under its name"
+                if err is None else f"writing it again failed ({err}); its blocks go with it")
 
     def make_room(self, n: int = 1) -> bool:
         """Evict clean extents until `n` more fit; False if dirty data fills the pool."""

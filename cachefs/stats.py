@@ -24,6 +24,7 @@ COUNTERS = (
     "promotions", "promotions_dropped", "evictions",
     "promotion_waits",                     # reads held until the promoter took their extents
     "stale_files", "backing_errors", "cache_errors",
+    "cache_files_restored",                # removed behind us while open, written again
     "conflicts",                           # BACKING changed while we held dirty data
     "partial_block_fills",                 # write-back: sub-block writes that read BACKING
     "punch_waits",                         # writes that waited for an evicted hole's release

@@ -338,3 +338,45 @@ def test_cache_files_removed_under_the_mount_are_not_read_as_zeros(make_mount, m
     log = m.logs[-1].read_text()
     assert "is gone (removed behind cachefs?)" in log, log[-3000:]
     m.stop(check=False)                         # the log has the ERROR line, as it must
+
+
+def test_a_cache_file_removed_while_open_is_written_again_at_its_close(make_mount, mode):
+    """A cache file removed behind the daemon while the file was open lived on in the
+    daemon's descriptor only, and went with its last close: its clean blocks had to be read
+    from BACKING again and, in write-back, its dirty ones were lost (EIO, never destaged).
+    Its data is now written again under its name at that close, durably: the blocks stay
+    cached, the dirty ones reach BACKING, also after a kill -9 right after the close."""
+    m = make_mount("--mode", mode, "--max-dirty-age", "600", "--dirty-high", "64M",
+                   "--dirty-low", "32M", "--cache-size", "128M")
+    old = os.urandom(SIZE)
+    (m.backing / "f").write_bytes(old)
+    warm(m, "f", SIZE)
+    want = bytearray(old)
+    fd = os.open(m.path("f"), os.O_RDWR)
+    try:
+        a, b = os.urandom(8192), os.urandom(4096)
+        os.pwrite(fd, a, 65536)                   # dirty in write-back before the removal
+        want[65536:65536 + 8192] = a
+        remove_cache_files(m)
+        os.pwrite(fd, b, 5 * 65536)               # and after it
+        want[5 * 65536:5 * 65536 + 4096] = b
+        assert os.pread(fd, SIZE, 0) == want
+    finally:
+        os.close(fd)
+    wait_until(lambda: m.stats()["cache_files_restored"] == 1, 10, what="the restore")
+    assert cache_file(m, "f").exists()
+    s = m.stats()
+    assert s["lost_dirty_blocks"] == 0 and s["drops"]["cache_error"] == 0, s
+    rc, res = verify(m)
+    assert rc == 0 and res["damaged_clean_blocks"] == 0 == res["damaged_dirty_blocks"], res
+    reads = m.stats()["backing_read_bytes"]
+    assert read_all(m.path("f")) == want
+    assert m.stats()["backing_read_bytes"] == reads          # still cached, all of it
+    m.kill()                                  # the restored file was made durable
+    m.start()
+    assert read_all(m.path("f")) == want
+    ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == want
+    log = m.logs[0].read_text()
+    assert "was removed behind cachefs while open" in log, log[-3000:]
+    assert " ERROR " not in log, log[-3000:]
