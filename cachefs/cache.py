@@ -264,8 +264,7 @@ class Cache:
                 self.cachefiles.fd(cf)
             except OSError as exc:          # serve from BACKING rather than fail the open
                 self.stats.cache_errors += 1
-                log.warning("cannot open the cache file of inode %d: %s", ino, exc)
-                self.state.drop_file(cf)
+                self.state.cache_file_unusable(cf, exc)
         of = OpenFile(fh, cf, fd, flags, self.stats)
         of.direct_fd = dfd
         of.readable = readable

@@ -145,8 +145,8 @@ class ControlServer:
             self._limited.flush()
             try:
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            except OSError:             # gone, or its filesystem failing (a dead cache SSD):
+                pass                    # the daemon stops all the same
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         async with stream:

@@ -366,7 +366,11 @@ class ReadPath:
         buf = bytearray(data)
         if len(buf) < end - off:
             buf.extend(bytes(end - off - len(buf)))
-        fd = self.cachefiles.fd(cf)
+        try:
+            fd = self.cachefiles.fd(cf)
+        except OSError as exc:          # dirty blocks only the SSD has: the SSD's failure
+            self.stats.cache_errors += 1        # (EPERM of an immutable file, EMFILE) is
+            raise OSError(errno.EIO, f"cache file unusable: {exc}") from None   # an EIO here
         for e, s, t, m in spans(off, end):
             x = cf.extents.get(e)
             if x is None:

@@ -535,6 +535,30 @@ class CacheState:
                   f"; {dirty} DIRTY blocks not yet in BACKING are lost: reads of them fail "
                   "with EIO and they are not destaged until rewritten whole" if dirty else "")
 
+    def cache_file_unusable(self, cf: CachedFile, exc: OSError) -> None:
+        """The cache file of `cf` could not be opened (a failing SSD, a file made immutable,
+        no descriptor left). Its clean blocks are dropped (reason cache error: read from
+        BACKING again); its dirty blocks stay: BACKING does not have them. Reads of them
+        fail while the file cannot be opened, destage passes are retried, and both work
+        again once it can. (Every extent was dropped, dirty ones too: the open then served
+        BACKING's older bytes, `flush` found nothing dirty, acknowledged writes were lost.)"""
+        clean = dirty = dropped = 0
+        for x in list(cf.extents.values()):
+            clean += popcount(x.valid & ~x.dirty)
+            if x.dirty:
+                dirty += popcount(x.dirty)
+                self.map.invalidate(cf, x, FULL_MASK)
+            else:
+                self.evict(cf, x)
+                dropped += 1
+        self.stats.drop_cache_error += dropped
+        self._limited.log(logging.ERROR if dirty else logging.WARNING, ("unusable", cf.ino),
+                          "cannot open the cache file of %s (%s): %s; %d clean blocks of it "
+                          "dropped (reason: cache error; read from BACKING again)%s",
+                          os.fsdecode(cf.path or b"?"), self.cachefiles.path(cf.ino), exc,
+                          clean, f"; {dirty} DIRTY blocks kept (not in BACKING yet): reads "
+                          "of them fail until it opens again" if dirty else "")
+
     def cache_file_restored(self, cf: CachedFile, copied: int, err: OSError | None) -> None:
         """The cache file of `cf` was removed behind the daemon while it was open; at its
         close its data was copied under its name again (or could not be: then the next open

@@ -380,3 +380,55 @@ def test_a_cache_file_removed_while_open_is_written_again_at_its_close(make_moun
     log = m.logs[0].read_text()
     assert "was removed behind cachefs while open" in log, log[-3000:]
     assert " ERROR " not in log, log[-3000:]
+
+
+def daemon_holds(m, paths) -> bool:
+    """Has the daemon one of `paths` open (the kernel's RELEASE comes after close(2))?"""
+    fds = f"/proc/{m.proc.pid}/fd"
+    held = set()
+    for n in os.listdir(fds):
+        try:
+            held.add(os.readlink(f"{fds}/{n}"))
+        except OSError:
+            pass
+    return any(str(p) in held for p in paths)
+
+
+def test_a_cache_file_that_cannot_be_opened_keeps_its_dirty_blocks(make_mount):
+    """An open that could not open the file's cache file (a failing SSD, a file made
+    immutable, no descriptor left) dropped every extent of it, dirty ones too: the open
+    then served BACKING's older bytes, `flush` found nothing dirty and fsynced writes were
+    lost. Now clean blocks are dropped (counted) and dirty ones kept: their reads fail with
+    EIO while the cache file cannot be opened, and all of it is back once it can."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600", "--cache-size", "128M",
+                   "--dirty-high", "64M", "--dirty-low", "32M")
+    old, new = os.urandom(SIZE), os.urandom(SIZE)
+    (m.backing / "f").write_bytes(old)
+    (m.backing / "g").write_bytes(old)
+    warm(m, "f", SIZE)
+    fd = os.open(m.path("g"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, new, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    locked = [cache_file(m, "f"), cache_file(m, "g")]
+    wait_until(lambda: not daemon_holds(m, locked), 10, what="the last release")
+    if subprocess.run(["chattr", "+i", *map(str, locked)], capture_output=True).returncode:
+        pytest.skip("the cache filesystem has no immutable files (chattr +i)")
+    try:
+        assert read_all(m.path("f")) == old                  # clean: from BACKING
+        assert m.stats()["drops"]["cache_error"] == SIZE // 65536
+        with pytest.raises(OSError) as err:                  # dirty: not BACKING's old bytes
+            read_all(m.path("g"))
+        assert err.value.errno == errno.EIO
+        assert m.stats()["dirty_bytes"] == SIZE
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, locked)], check=True)
+    assert read_all(m.path("g")) == new
+    ctl_flush(m)
+    assert (m.backing / "g").read_bytes() == new
+    m.stop(check=False)
+    log = m.logs[-1].read_text()
+    assert "256 DIRTY blocks kept (not in BACKING yet)" in log, log[-3000:]
+    assert "Traceback" not in log
