@@ -48,7 +48,7 @@ def default_cache_dir(backing: str) -> str:
     """A cache directory keyed to BACKING's real path: readable name plus a short hash."""
     real = os.path.realpath(backing)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", real).strip("-")[-40:] or "root"
-    digest = hashlib.sha256(real.encode()).hexdigest()[:10]
+    digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:10]
     return os.path.join(default_cache_root(), f"{slug}-{digest}")
 
 

@@ -51,7 +51,7 @@ def socket_path(cache_dir: str, stats_group: str | None) -> str:
     if stats_group is None:
         return os.path.join(cache_dir, "control.sock")
     real = os.path.realpath(cache_dir)
-    tag = hashlib.sha256(real.encode()).hexdigest()[:10]
+    tag = hashlib.sha256(os.fsencode(real)).hexdigest()[:10]
     return os.path.join(RUN_DIR, f"{os.path.basename(real)[-40:]}-{tag}.sock")
 
 

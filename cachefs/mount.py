@@ -60,7 +60,7 @@ def sd_notify(message: str) -> None:
         addr = "\0" + addr[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.connect(addr)
-        s.sendall(message.encode())
+        s.sendall(message.encode(errors="surrogateescape"))
 
 
 FUSECTL = "/sys/fs/fuse/connections"
@@ -95,9 +95,26 @@ def raise_max_background(real_mountpoint: str, limit: int = MAX_BACKGROUND) -> i
     return limit
 
 
+def fsname(path: str) -> str:
+    """BACKING's path as the mount's source (/proc/mounts, df): pyfuse3 passes options as
+    ASCII and libfuse splits them at commas, so a BACKING named with any other letter
+    (`/srv/données`) or a comma failed to mount. Bytes outside printable ASCII and `%`
+    are written %XX, a comma and a backslash are escaped for libfuse."""
+    out = []
+    for b in os.fsencode(path):
+        c = chr(b)
+        if b < 0x20 or b > 0x7E or c == "%":
+            out.append(f"%{b:02X}")
+        elif c in ",\\":
+            out.append("\\" + c)
+        else:
+            out.append(c)
+    return "".join(out)
+
+
 def fuse_options(cfg: Config) -> set[str]:
     opts = set(pyfuse3.default_options)
-    opts.add(f"fsname={os.path.realpath(cfg.backing)}")
+    opts.add(f"fsname={fsname(os.path.realpath(cfg.backing))}")
     opts.add("subtype=cachefs")
     if os.geteuid() == 0:
         opts.add("allow_other")

@@ -113,6 +113,13 @@ def _read_tables(db: sqlite3.Connection) -> tuple[dict, list]:
     return files, extents
 
 
+def path_text(path: str) -> str:
+    """A path as the database's TEXT keeps it: bytes that are not UTF-8 (a name Python
+    holds as surrogate escapes, which SQLite cannot store) as backslash escapes (\\xff).
+    UTF-8 paths are unchanged, as stored by every earlier version."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def _dirty_elsewhere(db: sqlite3.Connection, backing_real: str, root: os.stat_result
                      ) -> str | None:
     """A sentence if the cache holds dirty data and BACKING's root is not the directory it
@@ -239,7 +246,7 @@ class MetadataStore:
                            "--cache-dir.")
             elif version >= 1:                  # refused before anything is migrated
                 row = db.execute("SELECT value FROM meta WHERE key='backing'").fetchone()
-                if row is not None and row[0] != backing_real:
+                if row is not None and row[0] != path_text(backing_real):
                     foreign = (f"the cache directory {self.cache_dir} belongs to BACKING "
                                f"{row[0]}, not {backing_real}; choose another --cache-dir."
                                + _dirty_note(db, row[0]))
@@ -278,7 +285,7 @@ class MetadataStore:
             with db:
                 db.execute("BEGIN")
                 db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
-                    ("backing", backing_real),
+                    ("backing", path_text(backing_real)),
                     ("backing_dev", f"{backing_root.st_dev}:{backing_root.st_ino}"),
                     ("clean", "0"),
                 ])

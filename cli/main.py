@@ -136,8 +136,8 @@ def _run_foreground(cfg) -> int:
         if ready_fd >= 0:
             said = "".join(f"{READY_WARNING}{w}\n" for w in warnings)
             try:
-                os.write(ready_fd, f"ok\n{said}".encode() if error is None
-                         else error.encode() + b"\n")
+                os.write(ready_fd, f"ok\n{said}".encode(errors="surrogateescape") if error is None
+                         else error.encode(errors="surrogateescape") + b"\n")
             finally:
                 os.close(ready_fd)
                 ready_fd = -1

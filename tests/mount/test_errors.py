@@ -685,6 +685,30 @@ def test_foreign_cache_directory_is_refused(make_mount, env, tmp_path, foreign):
 
 # -- the background mode's success path --------------------------------------------------------
 
+@pytest.mark.parametrize("name", [b"donn\xc3\xa9es", b"a,b", b"not\xffutf8", b"back\\slash"],
+                         ids=["utf8", "comma", "not-utf8", "backslash"])
+def test_a_backing_named_with_any_bytes_mounts(env, name):
+    """BACKING's path is the mount's fsname: pyfuse3 passed it as ASCII and libfuse split it
+    at commas, so `/srv/données` or `/data/a,b` failed to mount ("the daemon stopped before
+    the mount was ready", a traceback in the log); a name not in UTF-8 also failed to be
+    stored in the database. All are plain directory names."""
+    backing = env.tmp / os.fsdecode(name)
+    backing.mkdir()
+    (backing / "f").write_bytes(b"from backing")
+    for _ in range(2):                      # the second mount finds its own database
+        res = env.mount("--mode", "write-back", backing=backing)
+        assert res.returncode == 0, res.stderr
+        assert (env.mnt / "f").read_bytes() == b"from backing"
+        (env.mnt / "g").write_bytes(b"written")
+        stats = run([*CTL, "stats", str(env.mnt), "--json"])
+        assert stats.returncode == 0, stats.stderr
+        res = run([*CACHEFS, "umount", "--flush", str(env.mnt)])
+        assert res.returncode == 0, res.stderr
+    assert (backing / "g").read_bytes() == b"written"
+    log = (env.cache / "cachefs.log").read_text(errors="replace")
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
 def test_a_mount_named_in_bytes_not_utf8_on_the_host_stops_nothing(env):
     """Any mount on the host whose path is not UTF-8 (a USB stick's label, a helper's
     test) made every reader of the mount table fail with a UnicodeDecodeError traceback:
