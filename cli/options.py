@@ -129,6 +129,18 @@ def parse_duration(value: str, what: str) -> float:
     return seconds
 
 
+# FUSE options cachefs sets itself: given, the mount failed after `cachefs mount` had said
+# it was ready (max_read: libfuse ends the session at INIT) or stopped being cachefs's to
+# the tools (subtype, fsname: `cachefs umount`, cachefs-ctl and the clearing of a dead
+# mount look for fuse.cachefs).
+_OURS = {
+    "max_read": "cachefs sets the size of FUSE requests itself (libfuse refuses the mount "
+                "at its start when this is given).",
+    "subtype": "the mount's type is always fuse.cachefs (its tools find their mounts by it).",
+    "fsname": "the mount's source is always BACKING's path.",
+}
+
+
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
@@ -159,6 +171,8 @@ def _gather(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
                     raise UserError(f"{_flag(key)} is given twice (-o {name}={value} and "
                                     f"{values[key]!r}); give it once.")
                 values[key] = value
+            elif name in _OURS:
+                raise UserError(f"-o {name} cannot be given: {_OURS[name]}")
             elif name not in _IGNORED and not name.startswith(("x-", "comment=")):
                 fuse.append(opt)
     return values, fuse

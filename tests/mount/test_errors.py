@@ -406,6 +406,19 @@ def test_cache_size_larger_than_the_cache_filesystem(env, fg):
     env.assert_nothing_left()
 
 
+@pytest.mark.parametrize("opt", ["max_read=65536", "subtype=foo", "fsname=x"])
+def test_fuse_options_cachefs_sets_itself_are_refused(env, opt):
+    """`-o max_read=N` mounted with exit 0 and "mounted" in the log, then libfuse ended the
+    session at INIT: nothing was mounted (fstab's `mount -a` said success too). `-o
+    subtype=` made a fuse.foo mount that `cachefs umount` called no cachefs mount (a
+    helper's operator hunt)."""
+    res = env.mount("-o", opt)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert_sentence(res, f"-o {opt.partition('=')[0]}", "cannot be given")
+    assert not env.cache.exists()
+    env.assert_nothing_left()
+
+
 def test_unknown_fuse_option(env):
     res = env.mount("-o", "bogus_opt_xyz", fg=True)
     assert_sentence(res, str(env.mnt), fg=True)
