@@ -22,7 +22,7 @@ from . import mounttable
 from .backing import fs_type
 from .config import EXT_SIZE, Config, format_size
 from .errors import UserError
-from .room import with_room
+from .room import full_sentence, is_full, with_room
 
 log = logging.getLogger("cachefs")
 
@@ -393,7 +393,14 @@ def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
         os.pwrite(fd, holder, 0)
     # On a full btrfs even this rewrite needs new space: the reserve file gives it (a mount
     # over a full cache filesystem failed here with a traceback; a helper's hunt).
-    with_room(cache_dir, write_holder)
+    try:
+        with_room(cache_dir, write_holder)
+    except OSError as exc:          # a new cache directory on a full filesystem: no reserve
+        os.close(fd)                # to give up yet (a traceback, an empty log: a helper's hunt)
+        if is_full(exc):
+            raise UserError(full_sentence(cache_dir)) from None
+        raise UserError(f"the cache directory {cache_dir} cannot be written: "
+                        f"{exc.strerror}.") from None
     return fd
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import CACHEFS, CTL, ctl_flush, wait_until, pread_aligned
+from tests.conftest import CACHEFS, CTL, ctl_flush, is_mounted, pread_aligned, wait_until
 
 pytestmark = pytest.mark.fuse
 
@@ -207,6 +207,24 @@ def test_no_room_for_the_database_is_a_clear_error(make_mount, make_tmpfs, how):
     os.unlink(tiny_fs / "tenant2")
     m.start()
     flushed_and_on_backing(m, data)
+
+
+@pytest.mark.parametrize("fg", [False, True], ids=["background", "foreground"])
+def test_a_new_cache_directory_on_a_full_filesystem_is_a_clear_error(tmp_path, make_tmpfs, fg):
+    """A new cache directory has no reserve to give up: writing its lock file failed with
+    ENOSPC, a traceback (foreground) or "the daemon stopped before the mount was ready"
+    with an empty log (background), exit 1 (a helper's operator hunt)."""
+    tiny_fs = make_tmpfs("8M")
+    fill_up(tiny_fs / "tenant")
+    backing, mnt = tmp_path / "b", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    res = subprocess.run([*CACHEFS, "mount", *(["-f"] if fg else []), "--cache-dir",
+                          str(tiny_fs / "c"), "--cache-size", "4M", str(backing), str(mnt)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "is full" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not is_mounted(mnt)
 
 
 def test_reserve_makes_room_to_open_after_a_clean_unmount(make_mount, make_tmpfs):
