@@ -200,9 +200,12 @@ class Coherence:
         cf = self.files.get(ino)
         if cf is None:
             return backing_size
+        size = backing_size
         if cf.dirty_exts or cf.cutting or (token is not None and self._overtaken(cf, token)):
-            return cf.size
-        return backing_size
+            size = cf.size
+        if cf.extending and size > cf.shown_size:   # writes past the end not answered yet
+            return cf.shown_size                    # (WritePath.write)
+        return size
 
     def attributes_seen(self, ino: int, st: os.stat_result, token: tuple) -> None:
         """getattr/lookup saw BACKING's attributes: revalidate, invalidate the kernel cache."""

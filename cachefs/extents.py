@@ -97,7 +97,8 @@ class CachedFile:
                  "lock", "dirty_exts",
                  "wtrack", "trunc_seq", "change_seq", "ctime_pending", "recovered",
                  "shrinking", "cutting", "held", "verified", "times", "backing_unsynced",
-                 "kernel_stale", "attrs_stale", "atime_read", "caps", "birth", "open_st")
+                 "kernel_stale", "attrs_stale", "atime_read", "caps", "birth", "open_st",
+                 "extending", "shown_size")
 
     @property
     def identity(self) -> tuple[int, int, int, int] | None:
@@ -131,6 +132,10 @@ class CachedFile:
         # BACKING's stat last seen while handles are open (from the open on): what getattr
         # answers for them while BACKING does not answer (fs.getattr)
         self.open_st: os.stat_result | None = None
+        # writes past the end in flight, and the size the kernel knows meanwhile (that
+        # before them, moved by each one answered): what getattr says (WritePath.write)
+        self.extending = 0
+        self.shown_size = 0
         # ext -> {id: [block mask, tainted mask]} of write-through writes in flight: a block
         # two of them touched at once has an unknown last writer in BACKING (tainted)
         self.wtrack: dict[int, dict[int, list[int]]] = {}

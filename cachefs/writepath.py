@@ -49,6 +49,25 @@ class WritePath(HeldWrites, Allocations):
         self.write_back = state.write_back
 
     async def write(self, of: OpenFile, off: int, data: bytes) -> int:
+        cf = of.cfile
+        if off + len(data) <= cf.size:
+            return await self._write(of, off, data)
+        # Past the end: until it is answered the kernel keeps the file's old size, and a
+        # getattr meanwhile must say so (Coherence.logical_size). It said the new one
+        # (the engine's, or BACKING's in write-through): fstat(2) gave a program that
+        # size, the kernel did not have it, and a mapping of it died of SIGBUS at the
+        # pages past the kernel's end (a helper's hunt: readers mapping a file appended to).
+        if not cf.extending:
+            cf.shown_size = cf.size
+        cf.extending += 1
+        try:
+            n = await self._write(of, off, data)
+            cf.shown_size = max(cf.shown_size, off + n)     # the kernel's size once answered
+            return n
+        finally:
+            cf.extending -= 1
+
+    async def _write(self, of: OpenFile, off: int, data: bytes) -> int:
         if self.write_back:
             return await self._write_back(of, off, data)
         if of.cfile.held is not None:
@@ -507,6 +526,8 @@ class WritePath(HeldWrites, Allocations):
                 raise
             if shrinking is not None:
                 self.store.queue_meta(f"{CUTS}{cf.ino}", None)      # BACKING is cut
+            if cf.extending:
+                cf.shown_size = size        # the kernel's size once this is answered
             return st
         finally:
             if shrinking is not None:

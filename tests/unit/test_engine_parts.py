@@ -414,3 +414,38 @@ def test_holes_are_whole_blocks_without_bytes(tmp_path):
         assert holes(fd, size, 1, 0b111) == 0b111                   # block 2 past the end
     finally:
         os.close(fd)
+
+
+def test_getattr_keeps_the_old_size_while_a_write_past_the_end_is_unanswered():
+    """Until a write past the end is answered, the kernel keeps the file's old size; a
+    getattr meanwhile said the new one (BACKING's in write-through: the write had reached
+    it), fstat(2) gave a reader that size, and its mapping of it died of SIGBUS at the pages
+    past the kernel's end (a helper's hunt: 5 readers in ~190 passes of a file appended
+    to). Answered, the write's end is the size."""
+    from cachefs.writepath import WritePath
+    state = FakeState()
+    coh = Coherence(state)
+    cf = _coherent_file(state, (7, 100, 10, 10))
+
+    class Of:
+        cfile = cf
+
+    class Writes:
+        async def _write(self, of, off, data):
+            await gate.wait()
+            cf.size = max(cf.size, off + len(data))     # BACKING and the engine have it
+            return len(data)
+
+    async def main():
+        nonlocal gate
+        gate = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(WritePath.write, Writes(), Of(), 100, b"x" * 50)
+            await trio.sleep(0.01)
+            assert coh.logical_size(7, 150) == 100          # BACKING has it, unanswered
+            gate.set()
+        assert coh.logical_size(7, 150) == 150
+        assert cf.extending == 0
+
+    gate = None
+    trio.run(main)
