@@ -11,6 +11,7 @@ touched while it was in flight, unless a truncate came meanwhile (`CachedFile.wt
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -263,7 +264,12 @@ class WritePath(HeldWrites, Allocations):
                 for b0, b1 in runs(x.dirty & m):
                     bs = max(s, base + (b0 << BLK_SHIFT))
                     bt = min(t, base + (b1 << BLK_SHIFT))
-                    pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
+                    try:
+                        pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
+                    except OSError as exc:  # the SSD is failing (or gone: ENOENT, which
+                        self._s.ssd_failed(exc, "a write into dirty blocks")    # a program
+                        raise OSError(errno.EIO, "the cache SSD failed a write into dirty "
+                                      "blocks") from None   # takes for "no such file")
                     self._s.map.write(cf, x, block_mask(bs - base, bt - base),
                                       whole=covered_mask(bs - base, bt - base, cf.size - base))
                 self._s.map.invalidate(cf, x, m)

@@ -423,6 +423,13 @@ def test_a_cache_file_that_cannot_be_opened_keeps_its_dirty_blocks(make_mount):
             read_all(m.path("g"))
         assert err.value.errno == errno.EIO
         assert m.stats()["dirty_bytes"] == SIZE
+        fd = os.open(m.path("g"), os.O_WRONLY)      # a write into its dirty blocks: EIO,
+        try:                                        # not the cache file's EPERM (ENOENT
+            with pytest.raises(OSError) as err:     # with the cache filesystem gone)
+                os.pwrite(fd, os.urandom(4096), 0)
+            assert err.value.errno == errno.EIO
+        finally:
+            os.close(fd)
     finally:
         subprocess.run(["chattr", "-i", *map(str, locked)], check=True)
     assert read_all(m.path("g")) == new
