@@ -136,6 +136,34 @@ def _dirty_elsewhere(db: sqlite3.Connection, backing_real: str, root: os.stat_re
             f"{root.st_ino} now): is BACKING's file system mounted?")
 
 
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    # The WAL's index in the daemon's heap, not in a mapped cachefs.db-shm: on a
+    # copy-on-write cache filesystem that filled up (btrfs) dirtying a page of that
+    # mapping again failed with SIGBUS, which ended the daemon. The price: no other
+    # process can open the database while the mount is up (none needs to).
+    db.execute("PRAGMA locking_mode=EXCLUSIVE")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    return db
+
+
+def _ident(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class MetadataStore:
     """Schema and batched persistence for one cache directory."""
 
@@ -157,6 +185,7 @@ class MetadataStore:
              if os.path.exists(self.path + tail)), default=0)
         self.journal = DoubtJournal(cache_dir)        # write-back: extents in doubt
         self._lock = threading.Lock()                  # held by every use of self._db
+        self._ident: tuple[int, int] | None = None     # (st_dev, st_ino) of the open db
         self._limiter = trio.CapacityLimiter(1)        # commits run one at a time, in order
 
     # -- opening -------------------------------------------------------------------------
@@ -230,14 +259,7 @@ class MetadataStore:
         self._create_private()
         db = None
         try:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            # The WAL's index in the daemon's heap, not in a mapped cachefs.db-shm: on a
-            # copy-on-write cache filesystem that filled up (btrfs) dirtying a page of that
-            # mapping again failed with SIGBUS, which ended the daemon. The price: no other
-            # process can open the database while the mount is up (none needs to).
-            db.execute("PRAGMA locking_mode=EXCLUSIVE")
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
+            db = _connect(self.path)
             version = db.execute("PRAGMA user_version").fetchone()[0]
             foreign = None
             if version > SCHEMA_VERSION:
@@ -298,6 +320,7 @@ class MetadataStore:
                                    f"({exc}).") from None
             raise UserError(room.full_sentence(self.cache_dir)) from None
         self._db = db
+        self._ident = _ident(self.path)
         return clean
 
     def _create_private(self) -> None:
@@ -475,6 +498,8 @@ class MetadataStore:
 
     def _commit_locked(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
         dropped, files, extents, meta = batch
+        if _ident(self.path) != self._ident:
+            self._write_again()
         db = self._db
         self._loaded = None                     # the rows read at open are old now
         if durable:
@@ -505,6 +530,52 @@ class MetadataStore:
         self.commits += 1
         self.last_commit_s = time.monotonic()
         self.journal.committed()
+
+    def _write_again(self) -> None:
+        """cachefs.db was removed (or replaced) behind the daemon while mounted (a cleanup
+        script, an operator): SQLite went on writing the removed file, and at the next
+        mount the cache directory had cached data and no database: refused, its dirty
+        data stranded (fsynced writes never reached BACKING; a helper's hunt). The
+        daemon's database is copied under its name again (SQLite's backup), and used from
+        then on. A file found in its place is set aside, not overwritten. Fails (the disk
+        full): logged, tried again at the next commit."""
+        tmp = self.path + ".rewrite"
+        try:
+            for tail in ("", "-wal", "-journal"):
+                if os.path.exists(tmp + tail):
+                    os.unlink(tmp + tail)
+            new = sqlite3.connect(tmp)
+            try:
+                self._db.backup(new)
+            finally:
+                new.close()
+            os.chmod(tmp, 0o600)
+            self._db.close()                # its -wal too, if that still had the name
+            self._db = None
+            there = _ident(self.path)
+            aside = f"{self.path}.found-{time.strftime('%Y%m%d-%H%M%S')}"
+            if there is not None:
+                os.rename(self.path, aside)
+            for tail in ("-wal", "-shm"):
+                if os.path.exists(self.path + tail):
+                    os.rename(self.path + tail, (aside if there is not None else
+                                                 self.path + ".found") + tail)
+            os.rename(tmp, self.path)
+            _fsync_dir(self.cache_dir)
+        except (OSError, sqlite3.Error) as exc:
+            if self._db is None:
+                self._db = _connect(tmp if os.path.exists(tmp) else self.path)
+            log.error("the metadata database %s was removed or replaced behind cachefs "
+                      "while mounted, and writing it again failed (%s): tried again at the "
+                      "next commit", self.path, exc)
+            return
+        self._db = _connect(self.path)
+        self._ident = _ident(self.path)
+        log.error("the metadata database %s was removed or replaced behind cachefs while "
+                  "mounted: written again from the daemon's copy%s; keep cleaners and "
+                  "scripts out of the cache directory", self.path,
+                  f" (the file found in its place is now {aside})" if there is not None
+                  else "")
 
     def close(self, clean: bool) -> None:
         if self._db is None:

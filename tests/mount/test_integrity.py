@@ -439,3 +439,32 @@ def test_a_cache_file_that_cannot_be_opened_keeps_its_dirty_blocks(make_mount):
     log = m.logs[-1].read_text()
     assert "256 DIRTY blocks kept (not in BACKING yet)" in log, log[-3000:]
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("removed", [("cachefs.db",), ("cachefs.db", "cachefs.db-wal")],
+                         ids=["db", "db-and-wal"])
+def test_a_database_removed_under_the_mount_is_written_again(make_mount, removed):
+    """cachefs.db removed while mounted (a cleanup script, an operator): SQLite went on
+    writing the removed file, the unmount said the dirty data stayed for the next mount,
+    and the next mount was refused (cached data, no database): fsynced data never reached
+    BACKING (a helper's hunt). The next commit writes the database again; a kill -9 after
+    it and a remount find all of it."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600")
+    a, b = os.urandom(30000), os.urandom(30000)
+    (m.path("a")).write_bytes(a)
+    for name in removed:
+        (m.cache / name).unlink()
+    fd = os.open(m.path("b"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b)
+        os.fsync(fd)                            # a durable commit: the database is back
+    finally:
+        os.close(fd)
+    assert (m.cache / "cachefs.db").exists()
+    m.kill()
+    m.start()
+    assert m.path("a").read_bytes() == a and m.path("b").read_bytes() == b
+    ctl_flush(m)
+    assert (m.backing / "a").read_bytes() == a and (m.backing / "b").read_bytes() == b
+    log = m.logs[0].read_text()
+    assert "was removed or replaced behind cachefs while mounted: written again" in log
