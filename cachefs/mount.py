@@ -40,6 +40,7 @@ from .openmode import fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
                         memory_warning, prepare_cache_dir, raise_fd_limit, room_warning,
                         volatile_cache_warning)
+from .startup import Progress
 from .stats import Stats
 from .store import MetadataStore
 from .verify import Verifier
@@ -139,6 +140,7 @@ class Daemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.stats = Stats()
+        self.progress = Progress(None)       # run() gives the one the waiters hear
         root = open_root(cfg.backing)
         try:
             local = LOCAL_FS_TYPES.get(fs_type(root))
@@ -190,6 +192,9 @@ class Daemon:
         self.cache = Cache(self.cfg, self.store, self.backing, self.stats, capacity)
         if not reserve:                     # no room for it: the SSD counts as full
             self.cache.state.reserve_given_up()
+        pool = self.cache.state.pool
+        self.progress.phase(lambda: f"loading the extent map: {len(pool)} extents",
+                            lambda: len(pool))
         self.cache.load(self.clean_start)
         if self.cache.dirty:
             log.info("%s of dirty data from an earlier mount (write-back, or written by a "
@@ -422,6 +427,9 @@ class Daemon:
     async def _destage_before_write_through(self) -> None:
         log.info("destaging %s of write-back data before mounting in write-through mode",
                  format_size(self.cache.dirty_bytes()))
+        self.progress.phase(lambda: f"destaging write-back data before mounting in "
+                            f"write-through mode: {format_size(self.cache.dirty_bytes())} "
+                            "left", self.cache.dirty_bytes)
         try:
             await self.cache.destager.flush(None)
         except CommandFailed as exc:
@@ -490,19 +498,22 @@ async def _fuse_main() -> bool:
 USER_MISTAKE = "user mistake: "     # how `ready` marks a UserError for the waiting CLI
 
 
-def run(cfg: Config, ready: Ready) -> int:
+def run(cfg: Config, ready: Ready, progress: Progress | None = None) -> int:
     """Run a mount in this process until it is unmounted; returns the exit status.
 
     `ready` gets None and the mount's warnings once mounted, or why not: a user mistake
     (UserError) as USER_MISTAKE and its sentence, so that `cachefs mount` in the background
-    exits 2 for it too."""
+    exits 2 for it too. `progress` hears of the long phases of the start."""
     oplog.quiet_late_replies()
+    progress = progress or Progress(None)
     try:
         check_paths(cfg)
         raise_fd_limit()
         prepare_cache_dir(cfg)
         lock_fd = lock_cache_dir(cfg.cache_dir, cfg.mountpoint)
+        progress.phase("opening the cache directory")
         daemon = Daemon(cfg)
+        daemon.progress = progress
         daemon.open()
     except UserError as exc:
         ready(USER_MISTAKE + str(exc))

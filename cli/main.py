@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from cachefs import mount as mnt
 from cachefs import mounttable, preflight
 from cachefs.config import format_size
 from cachefs.errors import UserError
+from cachefs.startup import PATIENCE_S, PROGRESS, Progress
 
 from . import client, unit
 from .options import add_mount_arguments, config_from_args, config_to_argv
@@ -23,7 +25,7 @@ from .options import add_mount_arguments, config_from_args, config_to_argv
 READY_ENV = "CACHEFS_READY_FD"
 READY_WARNING = "warning: "     # a line of the ready answer after "ok"
 LOG_ENV = "CACHEFS_LOG_FILE"    # the daemon's stdout and stderr: reopened at SIGHUP (logrotate)
-READY_TIMEOUT_S = 120
+PROGRESS_SHOWN_S = 30          # how often `cachefs mount` shows a long start's progress
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,7 +78,19 @@ def cmd_mount(args: argparse.Namespace) -> int:
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(w,),
             env={**os.environ, READY_ENV: str(w), LOG_ENV: log_path}, start_new_session=True)
     os.close(w)
-    answer = _read_ready(r, proc)
+    try:
+        answer = _read_ready(r, proc)
+    except KeyboardInterrupt:
+        # Ctrl-C: the daemon (in a session of its own) went on, mounted, found nobody to
+        # tell and unmounted, with a traceback (a helper's hunt). It is stopped now.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        print("cachefs: interrupted: the daemon was stopped before the mount was ready; "
+              "nothing is mounted.", file=sys.stderr)
+        return 130
     if answer == "ok" or answer.startswith("ok\n"):
         for line in answer.splitlines()[1:]:        # the daemon's warnings, also in its log
             if line.startswith(READY_WARNING):
@@ -108,19 +122,31 @@ def _libfuse_lines(log_path: str, start: int) -> list[str]:
 
 
 def _read_ready(fd: int, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    """The daemon's answer: waits while the daemon reports progress (cachefs/startup.py),
+    and gives up after PATIENCE_S without any."""
+    deadline = time.monotonic() + PATIENCE_S
+    shown = 0.0
     data = b""
     try:
         while time.monotonic() < deadline:
             ready, _, _ = select.select([fd], [], [], 1.0)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                data += chunk
+            if not ready:
+                continue
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+            while data.startswith(PROGRESS.encode()) and b"\n" in data:
+                line, data = data.split(b"\n", 1)
+                deadline = time.monotonic() + PATIENCE_S
+                if time.monotonic() - shown >= PROGRESS_SHOWN_S:
+                    shown = time.monotonic()
+                    print(f"cachefs: still starting: {line[len(PROGRESS):].decode(errors='replace')}",
+                          file=sys.stderr)
         else:
             proc.kill()
-            return f"the daemon was not ready within {READY_TIMEOUT_S} s."
+            return (f"the daemon was not ready, and reported no progress, for {PATIENCE_S:g} "
+                    "s: it was stopped (see the log; nothing is lost).")
     finally:
         os.close(fd)
     return data.decode(errors="replace").strip()
@@ -130,20 +156,47 @@ def _run_foreground(cfg) -> int:
     logging.basicConfig(level=logging.DEBUG if cfg.debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ready_fd = int(os.environ.pop(READY_ENV, "-1"))
+    stopped_by: list[str] = []
+    # Before the mount exists (a start may take minutes: a large map, a destage before a
+    # write-through mount) a SIGHUP (logrotate's) killed the daemon, and SIGTERM ended it
+    # without a word; the mount's own handlers take over once it is up (Daemon._signals).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    def stop_on(signum, frame) -> None:
+        stopped_by.append(signal.Signals(signum).name)
+        os.kill(os.getpid(), signal.SIGINT)         # trio stops safely on SIGINT
+
+    signal.signal(signal.SIGTERM, stop_on)
+
+    def send(line: str) -> None:
+        if ready_fd >= 0:
+            os.write(ready_fd, f"{PROGRESS}{line}\n".encode(errors="surrogateescape"))
+
+    progress = Progress(send, mnt.sd_notify)
 
     def ready(error: str | None, warnings: tuple[str, ...] | list[str] = ()) -> None:
         nonlocal ready_fd
+        progress.stop()
         if ready_fd >= 0:
             said = "".join(f"{READY_WARNING}{w}\n" for w in warnings)
             try:
                 os.write(ready_fd, f"ok\n{said}".encode(errors="surrogateescape") if error is None
                          else error.encode(errors="surrogateescape") + b"\n")
+            except BrokenPipeError:     # `cachefs mount` is gone: nobody to tell
+                pass
             finally:
                 os.close(ready_fd)
                 ready_fd = -1
 
+    progress.start()
     try:
-        return mnt.run(cfg, ready)
+        return mnt.run(cfg, ready, progress)
+    except KeyboardInterrupt:
+        why = stopped_by[-1] if stopped_by else "SIGINT"
+        logging.getLogger("cachefs").warning("stopped by %s before the mount was ready", why)
+        ready(f"the daemon was stopped by {why} before the mount was ready; nothing is lost "
+              "(the next mount goes on from where it stopped).")
+        return 130
     finally:
         ready("the daemon stopped before the mount was ready.")
 
