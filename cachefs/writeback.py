@@ -404,6 +404,8 @@ class Destager:
                 if damaged:                      # left out of the write: never to BACKING
                     cache.damaged(cf, damaged, "destage")
                 cache.destage_done(cf, plan, st, t0)
+                if not st.st_nlink and not cf.doomed:
+                    self._removed_behind(cf, nbytes, len(plan))
             finally:
                 cf.meta_inflight -= 1
         self._backoff.pop(cf.ino, None)
@@ -423,6 +425,17 @@ class Destager:
             self.rate = sample if not self.rate else 0.7 * self.rate + 0.3 * sample
         if self._engaged_s is not None:
             self._check_release()
+
+    def _removed_behind(self, cf: "CachedFile", nbytes: int, extents: int) -> None:
+        """BACKING's file has no name left, and not by an unlink through the mount: someone
+        removed it behind cachefs (another host, a cleanup job). Its dirty data went into
+        the removed file, which nobody can reach: as at a mount that finds it gone (reason:
+        orphan), it is said and counted, not flushed in silence (a helper's hunt)."""
+        self._stats.drop_orphan += extents
+        self._limited.warning(("removed behind", cf.ino), "BACKING file %s (inode %d) was "
+                              "removed behind cachefs while %s of it was dirty here: written "
+                              "into the removed file, which no name reaches (reason: orphan)",
+                              os.fsdecode(cf.path or b"?"), cf.ino, format_size(nbytes))
 
     def _failed(self, cf: "CachedFile", exc: OSError) -> None:
         self._stats.destage_errors += 1

@@ -239,3 +239,28 @@ def test_a_rewrite_in_the_second_a_file_was_cached_is_seen_on_a_whole_second_bac
     time.sleep(2.3)
     assert m.path("f").read_bytes() == b"b" * 100_000
     assert m.path("f").read_bytes() == b"b" * 100_000
+
+
+def test_dirty_data_of_a_file_another_host_removed_is_reported_not_flushed_in_silence(
+        make_mount):
+    """Another host removes a file this one holds write-back data of: the destage writes it
+    into the removed file (nobody can reach it), and `flush` said "flushed; nothing is
+    dirty" with no log line and no count (a helper's hunt). As at a mount that finds such a
+    file gone: a WARNING and the `orphan` drop count."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600")
+    fd = os.open(m.path("f"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, os.urandom(10 * 65536))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.unlink(m.backing / "f")                      # the other host
+    ctl_flush(m)
+    assert m.stats()["drops"]["orphan"] == 10
+    (m.path("g")).write_bytes(b"x")                 # a file unlinked through the mount is
+    os.unlink(m.path("g"))                          # nobody's loss: no report
+    ctl_flush(m)
+    m.stop(check=False)
+    log = m.logs[-1].read_text()
+    assert "was removed behind cachefs while 640.0 KiB of it was dirty here" in log, log[-2000:]
+    assert log.count("removed behind cachefs") == 1, log[-2000:]
