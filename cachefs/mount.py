@@ -38,7 +38,7 @@ from .inodes import InodeTable
 from .metrics import MetricsServer, bind
 from .openmode import fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
-                        memory_warning, prepare_cache_dir, raise_fd_limit, room_warning,
+                        lock_mountpoint, memory_warning, prepare_cache_dir, raise_fd_limit, room_warning,
                         volatile_cache_warning)
 from .startup import Progress
 from .stats import Stats
@@ -141,6 +141,7 @@ class Daemon:
         self.cfg = cfg
         self.stats = Stats()
         self.progress = Progress(None)       # run() gives the one the waiters hear
+        self.mountpoint_lock: int | None = None   # preflight.lock_mountpoint's, until mounted
         root = open_root(cfg.backing)
         try:
             local = LOCAL_FS_TYPES.get(fs_type(root))
@@ -330,6 +331,9 @@ class Daemon:
                                     "says why above (an unknown -o option, a busy or "
                                     "unusable mountpoint).") from None
                 mounted = True
+                if self.mountpoint_lock is not None:    # the mount is there: a second
+                    os.close(self.mountpoint_lock)      # start is refused by check_paths
+                    self.mountpoint_lock = None
                 registered = register(real_mountpoint, self.control_path)
                 self.cache.modes.mounted(fuse_device(real_mountpoint))
                 if raise_max_background(real_mountpoint):
@@ -507,6 +511,7 @@ def run(cfg: Config, ready: Ready, progress: Progress | None = None) -> int:
     oplog.quiet_late_replies()
     progress = progress or Progress(None)
     try:
+        held = lock_mountpoint(cfg.mountpoint)     # until mounted (Daemon.serve)
         check_paths(cfg)
         raise_fd_limit()
         prepare_cache_dir(cfg)
@@ -514,6 +519,7 @@ def run(cfg: Config, ready: Ready, progress: Progress | None = None) -> int:
         progress.phase("opening the cache directory")
         daemon = Daemon(cfg)
         daemon.progress = progress
+        daemon.mountpoint_lock = held
         daemon.open()
     except UserError as exc:
         ready(USER_MISTAKE + str(exc))

@@ -355,6 +355,25 @@ def make_private(cache_dir: str, data_files: bool = True) -> None:
                             f"directories, 0600 for files): {exc.strerror}.") from None
 
 
+def lock_mountpoint(mountpoint: str) -> int | None:
+    """Hold the directory under MOUNTPOINT locked from the check that nothing is mounted
+    there until the daemon exits: two `cachefs mount` of one MOUNTPOINT started together
+    both passed that check and stacked two mounts, the lower one hidden with its cache (an
+    fstab line and a unit at boot, a retrying script: a helper's hunt). The second is now
+    refused. None when the directory cannot be opened (check_paths says why)."""
+    try:
+        fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise UserError(f"MOUNTPOINT {mountpoint} is being mounted by another cachefs right "
+                        "now; one mount per MOUNTPOINT.") from None
+    return fd
+
+
 def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
     """Take the one-instance-per-cache-dir lock; the fd stays open for the daemon's life.
 

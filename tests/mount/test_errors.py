@@ -722,6 +722,27 @@ def test_a_backing_named_with_any_bytes_mounts(env, name):
     assert "Traceback" not in log and " ERROR " not in log, log
 
 
+def test_two_mounts_of_one_mountpoint_started_together_give_one_mount(env):
+    """Both passed the check that nothing is mounted there (it runs long before the mount)
+    and stacked two cachefs mounts, the lower one hidden with its cache (an fstab line and
+    a unit at boot, a retrying script: a helper's hunt, 2 of 3 rounds). The directory under
+    MOUNTPOINT is locked from that check until the mount is there."""
+    for i in range(4):
+        starts = [subprocess.Popen([*CACHEFS, "mount", "--cache-dir", str(env.tmp / f"c{i}{k}"),
+                                    str(env.backing), str(env.mnt)], stderr=subprocess.PIPE,
+                                   text=True) for k in range(2)]
+        env._started += [(env.mnt, env.tmp / f"c{i}{k}") for k in range(2)]
+        res = [(p.wait(timeout=90), p.stderr.read()) for p in starts]
+        with open("/proc/self/mounts", errors="surrogateescape") as f:
+            stacked = sum(line.split()[1] == str(env.mnt) for line in f)
+        assert stacked == 1, res
+        assert sorted(rc for rc, _ in res) == [0, 2], res
+        loser = next(err for rc, err in res if rc)
+        assert ("already mounted" in loser or "being mounted by another cachefs" in loser) \
+            and "Traceback" not in loser, loser
+        assert run([*CACHEFS, "umount", str(env.mnt)]).returncode == 0
+
+
 def test_a_mount_named_in_bytes_not_utf8_on_the_host_stops_nothing(env):
     """Any mount on the host whose path is not UTF-8 (a USB stick's label, a helper's
     test) made every reader of the mount table fail with a UnicodeDecodeError traceback:
