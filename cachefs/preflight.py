@@ -14,6 +14,7 @@ import os
 import resource
 import shutil
 import signal
+import sqlite3
 import stat
 import subprocess
 import time
@@ -353,6 +354,45 @@ def make_private(cache_dir: str, data_files: bool = True) -> None:
         except OSError as exc:
             raise UserError(f"cannot make {path} private to its user (mode 0700 for "
                             f"directories, 0600 for files): {exc.strerror}.") from None
+
+
+def stranded_elsewhere(backing: str, cache_dir: str) -> None:
+    """With no --cache-dir, the cache directory is named after BACKING's path. BACKING
+    reached under another path (renamed, bind-mounted elsewhere, its disk mounted at
+    another place) got a new, empty one, and the write-back data the old one holds was
+    stranded: the mount came up cold and silent, and a file truncated before the unmount
+    read empty (a helper's hunt). A new default cache directory is refused while a sibling
+    holds dirty data of this very BACKING directory (the same device and inode as recorded;
+    an NFS mount gets a new device number at every mount and is not found this way)."""
+    if os.path.exists(os.path.join(cache_dir, "cachefs.db")):
+        return
+    try:
+        st = os.stat(backing)
+        entries = list(os.scandir(os.path.dirname(cache_dir)))
+    except OSError:
+        return
+    for entry in entries:
+        db = os.path.join(entry.path, "cachefs.db")
+        if entry.path == cache_dir or not os.path.exists(db):
+            continue
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.1)
+            try:
+                meta = dict(con.execute("SELECT key, value FROM meta WHERE key IN "
+                                        "('backing', 'backing_dev')"))
+                dirty = con.execute("SELECT COUNT(*) FROM extents WHERE dirty != 0"
+                                    ).fetchone()[0]
+            finally:
+                con.close()
+        except sqlite3.Error:       # in use by a running mount (its BACKING is there), or
+            continue                # left by a crash with its WAL: not readable from here
+        if dirty and meta.get("backing_dev") == f"{st.st_dev}:{st.st_ino}":
+            old = meta.get("backing", "?")
+            raise UserError(f"BACKING {backing} was mounted before as {old}, and its cache "
+                            f"directory {entry.path} still holds write-back data not yet in "
+                            f"BACKING ({dirty} extents): mount it from {old} again (a bind "
+                            f"mount of {backing} there will do) with --cache-dir {entry.path} "
+                            "and flush, or give --cache-dir to use another cache directory.")
 
 
 def lock_mountpoint(mountpoint: str) -> int | None:

@@ -9,6 +9,7 @@ import os
 
 from cachefs.config import (Config, default_cache_dir, format_address, parse_address,
                             parse_share, parse_size)
+from cachefs import preflight
 from cachefs.errors import UserError
 
 # -o names understood by cachefs itself (fstab form); everything else goes to FUSE.
@@ -191,6 +192,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if not path.strip():
             raise UserError(f"{what} is empty; give a directory.")
     backing = os.path.abspath(args.backing)
+    if not values.get("cache_dir"):
+        preflight.stranded_elsewhere(backing, default_cache_dir(backing))
     kw = dict(
         backing=backing,
         mountpoint=os.path.abspath(args.mountpoint),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.errors import UserError
 from tests.conftest import CACHEFS, CTL, force_unmount, is_mounted, wait_until
 
 pytestmark = pytest.mark.fuse
@@ -741,6 +742,35 @@ def test_two_mounts_of_one_mountpoint_started_together_give_one_mount(env):
         assert ("already mounted" in loser or "being mounted by another cachefs" in loser) \
             and "Traceback" not in loser, loser
         assert run([*CACHEFS, "umount", str(env.mnt)]).returncode == 0
+
+
+def test_a_default_cache_directory_is_not_made_anew_beside_stranded_dirty_data(make_mount):
+    """With no --cache-dir the cache directory is named after BACKING's path: BACKING
+    renamed (or reached through another path) got a new, empty one, the mount came up cold
+    and silent, and the write-back data in the old one was stranded (a file truncated
+    before the unmount read empty: a helper's hunt). preflight.stranded_elsewhere, run for
+    a default cache directory, refuses while a sibling holds dirty data of this BACKING."""
+    from cachefs.preflight import stranded_elsewhere
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600")
+    (m.path("doc")).write_bytes(b"new contents")
+    m.stop()                                            # dirty data kept for the next mount
+    moved = m.backing.with_name("backing-renamed")
+    m.backing.rename(moved)
+    new_default = str(m.cache.with_name("cache-of-the-new-path"))
+    with pytest.raises(UserError) as err:
+        stranded_elsewhere(str(moved), new_default)
+    assert f"was mounted before as {m.backing}" in str(err.value), err.value
+    assert f"--cache-dir {m.cache}" in str(err.value), err.value
+    other = m.backing.with_name("other")
+    other.mkdir()
+    stranded_elsewhere(str(other), new_default)         # another BACKING: not its data
+    moved.rename(m.backing)
+    m.start()
+    subprocess.run([*CACHEFS, "umount", "--flush", str(m.mnt)], check=True, timeout=60)
+    m.proc.wait(timeout=60)
+    m.proc = None
+    m.backing.rename(moved)
+    stranded_elsewhere(str(moved), new_default)         # nothing dirty left: a new one is fine
 
 
 def test_a_mount_named_in_bytes_not_utf8_on_the_host_stops_nothing(env):
