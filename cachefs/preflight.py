@@ -159,6 +159,26 @@ def memory_available() -> tuple[int, str] | None:
     return best
 
 
+def check_overlaps(cfg: Config) -> None:
+    """BACKING, MOUNTPOINT and the cache directory inside one another, as a sentence (also
+    what `cachefs install-unit` checks: a unit it wrote that `cachefs mount` refuses
+    restarted every 5 s for ever; a helper's hunt)."""
+    if _inside(cfg.backing, cfg.mountpoint) or _inside(cfg.mountpoint, cfg.backing):
+        raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
+                        "contain each other.")
+    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
+        if _same(cfg.cache_dir, path):
+            raise UserError(f"the cache directory {cfg.cache_dir} is {what} itself; it must "
+                            "be a directory of its own on the fast local disk.")
+        if _inside(cfg.cache_dir, path):
+            raise UserError(f"the cache directory {cfg.cache_dir} is inside {what} {path}; "
+                            "it must be on the fast local disk, outside both.")
+        if _inside(path, cfg.cache_dir):
+            raise UserError(f"{what} {path} is inside the cache directory {cfg.cache_dir}; "
+                            "the cache directory must be a directory of its own, apart "
+                            "from both.")
+
+
 def check_paths(cfg: Config) -> None:
     """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
     cfg.validate()
@@ -187,20 +207,7 @@ def check_paths(cfg: Config) -> None:
             raise UserError(f"MOUNTPOINT {cfg.mountpoint} is a dead FUSE mount (transport "
                             "endpoint is not connected); run fusermount3 -u "
                             f"{cfg.mountpoint} first.")
-    if _inside(cfg.backing, cfg.mountpoint) or _inside(cfg.mountpoint, cfg.backing):
-        raise UserError(f"BACKING {cfg.backing} and MOUNTPOINT {cfg.mountpoint} must not "
-                        "contain each other.")
-    for what, path in (("BACKING", cfg.backing), ("MOUNTPOINT", cfg.mountpoint)):
-        if _same(cfg.cache_dir, path):
-            raise UserError(f"the cache directory {cfg.cache_dir} is {what} itself; it must "
-                            "be a directory of its own on the fast local disk.")
-        if _inside(cfg.cache_dir, path):
-            raise UserError(f"the cache directory {cfg.cache_dir} is inside {what} {path}; "
-                            "it must be on the fast local disk, outside both.")
-        if _inside(path, cfg.cache_dir):
-            raise UserError(f"{what} {path} is inside the cache directory {cfg.cache_dir}; "
-                            "the cache directory must be a directory of its own, apart "
-                            "from both.")
+    check_overlaps(cfg)
     if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
         raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
     _check_cache_size(cfg)

@@ -21,6 +21,7 @@ import sys
 import sysconfig
 from typing import Callable
 
+from cachefs import preflight
 from cachefs.errors import UserError
 
 from .options import _O_NAMES, _flag, _gather, add_mount_arguments, config_from_args
@@ -129,6 +130,12 @@ def _mount_options(args: argparse.Namespace, cache_dir: str) -> list[str]:
     return words
 
 
+def _same_path(a: str | None, b: str) -> bool:
+    """The same directory, symlinks followed (a link to another unit's mountpoint was taken
+    for a new one: a helper's hunt)."""
+    return a is not None and (a == b or os.path.realpath(a) == os.path.realpath(b))
+
+
 def _conf_values(path: str) -> dict[str, str]:
     out = {}
     try:
@@ -180,6 +187,7 @@ def install(args: argparse.Namespace, out=print) -> int:
                             + (" (mount it first, or create the mountpoint)."
                                if what == "BACKING" else " (create it first)."))
     cache_dir = _check_word("the cache directory", cfg.cache_dir)
+    preflight.check_overlaps(cfg)
     options = _mount_options(args, cache_dir)
     root = os.path.abspath(args.root)
     conf_dir = os.path.join(root, "etc/cachefs")
@@ -190,10 +198,16 @@ def install(args: argparse.Namespace, out=print) -> int:
             if not entry.endswith(".conf") or entry == f"{name}.conf":
                 continue
             other = _conf_values(os.path.join(conf_dir, entry))
-            if other.get("MOUNTPOINT") == cfg.mountpoint:
-                raise UserError(f"{cfg.mountpoint} is already the MOUNTPOINT of "
-                                f"cachefs@{entry[:-5]} ({os.path.join(conf_dir, entry)}); "
+            where = f"cachefs@{entry[:-5]} ({os.path.join(conf_dir, entry)})"
+            if _same_path(other.get("MOUNTPOINT"), cfg.mountpoint):
+                raise UserError(f"{cfg.mountpoint} is already the MOUNTPOINT of {where}; "
                                 "one unit per mountpoint.")
+            words = other.get("CACHEFS_OPTIONS", "").split()
+            theirs = words[words.index("--cache-dir") + 1] \
+                if "--cache-dir" in words[:-1] else None
+            if _same_path(theirs, cache_dir):
+                raise UserError(f"{cache_dir} is already the cache directory of {where}; "
+                                "one cache directory per unit (give --cache-dir).")
     replaced = os.path.exists(conf_path)
     exec_cmd = cachefs_executable()
     _check_word("the cachefs command", exec_cmd)

@@ -135,6 +135,29 @@ def test_install_unit_refuses_a_second_unit_for_a_mountpoint(tmp_path, dirs):
     assert f"{mnt} is already the MOUNTPOINT of cachefs@one" in res.stderr
 
 
+def test_install_unit_refuses_what_cachefs_mount_would(tmp_path, dirs):
+    """install-unit wrote units `cachefs mount` refuses (they then restarted every 5 s for
+    ever): a cache directory inside BACKING, one cache directory for two units, a symlink to
+    another unit's mountpoint (a helper's hunt)."""
+    backing, mnt = dirs
+    res = install(tmp_path, "in", str(backing), str(mnt), "--cache-dir", str(backing / "c"))
+    assert res.returncode == 2 and "is inside BACKING" in res.stderr, res.stderr
+    assert install(tmp_path, "one", str(backing), str(mnt), "--cache-dir",
+                   str(tmp_path / "c")).returncode == 0
+    other_b, other_m = tmp_path / "b2", tmp_path / "m2"
+    other_b.mkdir()
+    other_m.mkdir()
+    res = install(tmp_path, "two", str(other_b), str(other_m), "--cache-dir",
+                  str(tmp_path / "c"))
+    assert res.returncode == 2 and "is already the cache directory of cachefs@one" \
+        in res.stderr, res.stderr
+    (tmp_path / "link").symlink_to(mnt)
+    res = install(tmp_path, "three", str(other_b), str(tmp_path / "link"))
+    assert res.returncode == 2 and "is already the MOUNTPOINT of cachefs@one" in res.stderr, \
+        res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_activate_runs_systemctl_only_where_systemd_runs():
     said, ran = [], []
 
