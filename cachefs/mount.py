@@ -184,7 +184,13 @@ class Daemon:
         reserve = self.store.ensure_reserve()
         self.stats.set_lifetime_base(*self.store.load_lifetime())
         held = cache_dir_usage(self.cfg.cache_dir)
-        capacity = cache_capacity(self.cfg, held) // EXT_SIZE
+        try:
+            capacity = cache_capacity(self.cfg, held) // EXT_SIZE
+        except UserError:
+            # Refused (too little room) after the database was marked in use: it is left as
+            # it was, or the next mount took this for an unclean stop (a helper's hunt).
+            self.store.close(clean=self.clean_start)
+            raise
         for warning in (room_warning(self.cfg, held), memory_warning(capacity)):
             if warning:
                 self._warn(warning)

@@ -227,6 +227,29 @@ def test_a_new_cache_directory_on_a_full_filesystem_is_a_clear_error(tmp_path, m
     assert not is_mounted(mnt)
 
 
+def test_a_mount_refused_for_want_of_room_leaves_the_cache_clean(tmp_path, make_tmpfs):
+    """Refused ("less than 10% free") after the database was marked in use: the next mount
+    took it for an unclean stop and revalidated (in write-back, re-dirtied the blocks in
+    doubt) for nothing (a helper's hunt)."""
+    fs = make_tmpfs("32M")
+    with open(fs / "tenant", "wb") as f:
+        f.write(bytes(31 * MiB))
+    backing, mnt = tmp_path / "b", tmp_path / "mnt"
+    backing.mkdir()
+    mnt.mkdir()
+    cmd = [*CACHEFS, "mount", "--cache-dir", str(fs / "c"), str(backing), str(mnt)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "less than 10% free" in res.stderr, res.stderr
+    res = subprocess.run([*cmd, "--cache-size", "4M"], capture_output=True, text=True,
+                         timeout=60)
+    try:
+        assert res.returncode == 0, res.stderr
+    finally:
+        subprocess.run([*CACHEFS, "umount", str(mnt)], capture_output=True, timeout=60)
+    log = (fs / "c" / "cachefs.log").read_text()
+    assert "not clean" not in log, log
+
+
 def test_reserve_makes_room_to_open_after_a_clean_unmount(make_mount, make_tmpfs):
     """A clean unmount leaves no -wal file; on a full filesystem the next open needs room
     for it: the reserve file gives it, and the dirty data is served and flushed."""
