@@ -30,7 +30,7 @@ from .backingpaths import open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer, register, socket_path, unregister
-from .errors import CommandFailed, InvariantError, UserError
+from .errors import BackingTimeout, CommandFailed, InvariantError, UserError
 from .fs import Operations
 from .health import BackingHealth
 from .history import MAX_WINDOW_S, History
@@ -142,6 +142,7 @@ class Daemon:
         self.stats = Stats()
         self.progress = Progress(None)       # run() gives the one the waiters hear
         self.mountpoint_lock: int | None = None   # preflight.lock_mountpoint's, until mounted
+        self._backing_moved = False          # BACKING's path leads elsewhere (_check_backing_path)
         root = open_root(cfg.backing)
         try:
             local = LOCAL_FS_TYPES.get(fs_type(root))
@@ -404,10 +405,40 @@ class Daemon:
             raise InvariantError(f"eviction protection (held, owned) by inode: {wrong}")
 
     async def _watch_backing(self) -> None:
-        """Once a second: is a BACKING write stalled (running past --backing-timeout)?"""
+        """Once a second: is a BACKING write stalled (running past --backing-timeout)? Every
+        10 s: does BACKING's path still lead to the directory the daemon opened?"""
+        tick = 0
         while True:
             await trio.sleep(1)
             self.backing.health.check_stalls(self.cfg.backing_timeout_s, self.backing.what)
+            tick += 1
+            if tick % 10 == 0:
+                await self._check_backing_path()
+
+    async def _check_backing_path(self) -> None:
+        """BACKING unmounted lazily, or another filesystem mounted or a directory renamed
+        into its place: the daemon goes on serving, and destaging into, the directory it
+        opened (as any program holding a directory does), which nothing said (a helper's
+        hunt: fsynced data went with a lazily unmounted tmpfs). One WARNING when the path
+        leads elsewhere, one line when it leads back."""
+        root = os.fstat(self.backing.root_fd)
+        try:
+            st = await self.backing.read_call("stat", os.stat, self.cfg.backing)
+            moved = (st.st_dev, st.st_ino) != (root.st_dev, root.st_ino)
+        except BackingTimeout:              # hung: not known (its health says so)
+            return
+        except OSError:                     # gone
+            moved = True
+        if moved and not self._backing_moved:
+            log.warning("BACKING's path %s no longer leads to the directory this mount opened "
+                        "(unmounted, or another filesystem or directory put in its place): "
+                        "cachefs goes on serving and destaging into the directory it opened; "
+                        "unmount and mount again to use what the path leads to now",
+                        self.cfg.backing)
+        elif not moved and self._backing_moved:
+            log.info("BACKING's path %s leads to the directory this mount opened again",
+                     self.cfg.backing)
+        self._backing_moved = moved
 
     async def _run_lifetime_saver(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Save the lifetime totals every commit interval in which a counter moved (a

@@ -406,19 +406,30 @@ def lock_mountpoint(mountpoint: str) -> int | None:
     """Hold the directory under MOUNTPOINT locked from the check that nothing is mounted
     there until the daemon exits: two `cachefs mount` of one MOUNTPOINT started together
     both passed that check and stacked two mounts, the lower one hidden with its cache (an
-    fstab line and a unit at boot, a retrying script: a helper's hunt). The second is now
-    refused. None when the directory cannot be opened (check_paths says why)."""
+    fstab line and a unit at boot, a retrying script: a helper's hunt). The second waits
+    until the first is mounted (then check_paths refuses it), or refuses after LOCK_WAIT_S.
+    None when the directory cannot be opened (check_paths says why)."""
     try:
         fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            # Another start that is not mounted yet, or a daemon stopped before its mount
+            # was made that is still exiting (a thread finishing a BACKING write): wait a
+            # while; a start that mounts meanwhile is then found by check_paths.
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+        except OSError:
+            pass
         os.close(fd)
-        raise UserError(f"MOUNTPOINT {mountpoint} is being mounted by another cachefs right "
-                        "now; one mount per MOUNTPOINT.") from None
-    return fd
+        raise UserError(f"MOUNTPOINT {mountpoint} is being mounted by another cachefs; one "
+                        "mount per MOUNTPOINT.") from None
 
 
 def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
