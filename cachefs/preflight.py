@@ -192,6 +192,12 @@ def check_paths(cfg: Config) -> None:
             if exc.errno == errno.ENOTCONN:
                 raise UserError(f"{what} {path} is a dead FUSE mount (transport endpoint is "
                                 f"not connected); run fusermount3 -u {path} first.") from None
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                live = what == "MOUNTPOINT" and mounttable.is_cachefs(mounttable.resolve(path))
+                raise UserError(f"{what} {path} " + (
+                    "is already mounted (unmount it first with cachefs umount); it answers "
+                    f"{exc.strerror}: its BACKING fails?" if live else
+                    f"cannot be examined: {exc.strerror}.")) from None
         if not os.path.exists(path):
             raise UserError(f"{what} {path} does not exist.")
         if not os.path.isdir(path):
@@ -285,6 +291,28 @@ def _not_connected(path: str, timeout_s: float = DEAD_CHECK_S) -> bool:
         time.sleep(0.005)
 
 
+def daemon_pid(mountpoint: str, exclude: tuple[int, ...] = ()) -> int | None:
+    """The pid of the cachefs daemon serving `mountpoint`, from /proc (its command line
+    names the mountpoint: absolute, or relative to its working directory), or None.
+    `exclude`: pids not to count (a starting daemon and the `cachefs mount` waiting for it
+    name the mountpoint too)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")[:-1]
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        if b"mount" not in argv or not any(b"cachefs" in a for a in argv[:3]):
+            continue
+        last = os.fsdecode(argv[-1])
+        if os.path.normpath(os.path.join(cwd, last)) == mountpoint:
+            return int(entry)
+    return None
+
+
 def _clear_dead(path: str) -> bool:
     """A dead cachefs mount left at MOUNTPOINT (its daemon crashed or was killed): unmount it,
     so that a restart (systemd's Restart=on-failure) mounts again instead of refusing for
@@ -292,6 +320,8 @@ def _clear_dead(path: str) -> bool:
     real = mounttable.resolve(path)
     if not mounttable.is_cachefs(real):
         return False
+    if daemon_pid(real, (os.getpid(), os.getppid())) is not None:
+        return False                # alive, whatever its answers say (a helper's hunt)
     for flags in ("-u", "-uz"):
         if subprocess.run(["fusermount3", flags, real], capture_output=True).returncode == 0:
             log.warning("MOUNTPOINT %s was a dead cachefs mount (its daemon is gone): "

@@ -232,7 +232,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     except UserError:
         # A dead daemon (unmounting is still right), or one that cannot answer through the
         # mount (its BACKING hangs): then it is found by its command line, to be waited for.
-        stats, pid = None, _daemon_pid(mountpoint)
+        stats, pid = None, preflight.daemon_pid(mountpoint)
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
         raise UserError(f"unmounting {mountpoint} failed: {res.stderr.strip()}")
@@ -252,33 +252,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
 def _dead(mountpoint: str) -> bool:
     """A cachefs mount whose daemon is gone: no daemon process for it, and the mount
     answers ENOTCONN."""
-    if _daemon_pid(mountpoint) is not None:
+    if preflight.daemon_pid(mountpoint) is not None:
         return False
     try:
         os.statvfs(mountpoint)          # (a stat may come from the kernel's attribute cache)
     except OSError as exc:
         return exc.errno == errno.ENOTCONN
     return False
-
-
-def _daemon_pid(mountpoint: str) -> int | None:
-    """The pid of the cachefs daemon serving `mountpoint`, from /proc (its command line
-    names the mountpoint: absolute, or relative to its working directory), or None."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")[:-1]
-            cwd = os.readlink(f"/proc/{entry}/cwd")
-        except OSError:
-            continue
-        if b"mount" not in argv or not any(b"cachefs" in a for a in argv[:3]):
-            continue
-        last = os.fsdecode(argv[-1])
-        if os.path.normpath(os.path.join(cwd, last)) == mountpoint:
-            return int(entry)
-    return None
 
 
 def _wait_exit(pid: int, timeout_s: float) -> bool:

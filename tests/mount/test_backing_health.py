@@ -293,3 +293,38 @@ def test_ctl_reaches_the_daemon_while_backing_hangs(slow_backing, make_mount):
     assert out.returncode == 0, out.stderr          # (it was "not a cachefs mount")
     assert not os.path.ismount(m.mnt)
     m.stop(check=False)
+
+
+def test_a_backing_whose_server_died_gives_eio_and_the_live_mount_stays(slow_backing,
+                                                                        make_mount, tmp_path):
+    """A FUSE BACKING (sshfs, rclone, ...) whose server dies answers ENOTCONN (first
+    ECONNABORTED): passed on, every call on the live cachefs mount failed with "transport
+    endpoint is not connected", the errno of a dead FUSE mount, and a `cachefs mount` on its
+    mountpoint took it for one and unmounted it, dirty data and all (a helper's hunt). Now
+    EIO, and the second mount is refused with a sentence."""
+    src, slow, sf = slow_backing
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "600", backing=slow)
+    data = os.urandom(4 * 65536)
+    fd = os.open(m.path("f"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    sf.proc.kill()                                  # BACKING's server dies
+    sf.proc.wait()
+    for _ in range(2):
+        with pytest.raises(OSError) as err:
+            os.statvfs(m.mnt)
+        assert err.value.errno == errno.EIO, err.value
+    other = tmp_path / "other"
+    other.mkdir()
+    res = subprocess.run([*CACHEFS, "mount", "--cache-dir", str(tmp_path / "c2"), str(other),
+                          str(m.mnt)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "already mounted" in res.stderr, res.stderr
+    assert m.proc.poll() is None
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
+        assert [line.split()[2] for line in f if line.split()[1] == str(m.mnt)] == \
+            ["fuse.cachefs"]
+    force_unmount(slow)
+    m.stop(check=False)
