@@ -462,6 +462,33 @@ def lock_mountpoint(mountpoint: str) -> int | None:
                         "mount per MOUNTPOINT.") from None
 
 
+_DIR_LOCKS: list[int] = []      # the cache directories' own flocks: held until exit
+
+
+def _lock_directory(cache_dir: str, lock_fd: int) -> None:
+    """The cache directory itself locked too: its `lock` file removed by an operator (a
+    "stale lock") or a cleaner let a second daemon in beside a live one; the two then
+    wrote one database over the other (a helper's hunt). A directory cannot be removed
+    while it holds the cache. The holder of `lock` holds this one; a moment's wait covers
+    one that is exiting."""
+    dfd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _DIR_LOCKS.append(dfd)
+            return
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+        os.close(dfd)
+        os.close(lock_fd)
+        raise UserError(f"the cache directory {cache_dir} is in use by another cachefs (its "
+                        "`lock` file was removed or replaced while it runs); one instance may "
+                        "use a cache directory: unmount the other first.") from None
+
+
 def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
     """Take the one-instance-per-cache-dir lock; the fd stays open for the daemon's life.
 
@@ -493,6 +520,7 @@ def lock_cache_dir(cache_dir: str, mountpoint: str) -> int:
             os.close(fd)
             raise UserError(f"the cache directory {cache_dir} is in use by another cachefs "
                             f"(pid {owner}); one instance may use a cache directory.") from None
+    _lock_directory(cache_dir, fd)
     holder = f"{os.getpid()}\n{json.dumps(mounttable.resolve(mountpoint))}\n".encode()
 
     def write_holder() -> None:

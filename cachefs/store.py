@@ -299,6 +299,12 @@ class MetadataStore:
         except sqlite3.DatabaseError as exc:
             if db is not None:
                 db.close()
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                # Another process has it open: in use, not damaged (called corrupt, it was
+                # offered to --discard-dirty, which set a live daemon's state aside).
+                raise UserError(f"the metadata database {self.path} is in use by another "
+                                "process (database is locked): one cachefs per cache "
+                                "directory; unmount the other first.") from None
             raise CorruptStore(f"the metadata database {self.path} is corrupt or unreadable "
                                f"({exc}).") from None
         clean = meta.get("clean", "1") == "1"

@@ -261,6 +261,40 @@ def test_cache_dir_in_use(make_mount, env, fg):
     assert _lock_pid(a.cache) == a.proc.pid
 
 
+def test_cache_dir_in_use_with_its_lock_file_removed(make_mount, env):
+    """An operator clearing a "stale lock" (or a cleaner) removed `lock`: a second daemon got
+    in, SQLite's "database is locked" was called corruption, and --discard-dirty then set
+    the live daemon's state aside; the two wrote one database over the other (a helper's
+    hunt). The directory itself is locked too, and a locked database is "in use"."""
+    a = make_mount("--mode", "write-back", "--max-dirty-age", "600", name="a")
+    a.path("f").write_bytes(b"A" * 65536)
+    (a.cache / "lock").unlink()
+    other = env.tmp / "mnt2"
+    other.mkdir()
+    for extra in ((), ("--discard-dirty",)):
+        res = env.mount(*extra, backing=a.backing, mnt=other, cache=a.cache)
+        assert_sentence(res, str(a.cache), "in use by another cachefs", "lock")
+        assert "corrupt" not in res.stderr
+        assert not is_mounted(other)
+    assert not any(p.name.startswith("damaged-") for p in a.cache.iterdir())
+    assert a.path("f").read_bytes() == b"A" * 65536
+    a.stop()
+
+
+def test_a_locked_database_is_in_use_not_corrupt(tmp_path):
+    from cachefs.store import MetadataStore
+    root = os.stat(tmp_path)
+    first = MetadataStore(str(tmp_path))
+    first.open(str(tmp_path / "b"), root)
+    try:
+        with pytest.raises(UserError) as err:
+            MetadataStore(str(tmp_path)).open(str(tmp_path / "b"), root, discard_dirty=True)
+        assert "in use by another process (database is locked)" in str(err.value)
+        assert not any(p.name.startswith("damaged-") for p in tmp_path.iterdir())
+    finally:
+        first.close(clean=True)
+
+
 # -- option values ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,needles", [
