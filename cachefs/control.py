@@ -40,6 +40,7 @@ log = logging.getLogger("cachefs.control")
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[dict]]
 CONTROL_XATTR = "user.cachefs.control"   # the mount root's xattr naming the socket path
 MAX_REQUEST = 64 * 1024
+SOCKET_CHECK_S = 5.0                          # how often the socket file is looked for
 READ_ONLY = frozenset({"stats", "pid", "history"})   # commands anyone who can connect may run
 RUN_DIR = "/run/cachefs"                     # sockets shared with a --stats-group
 MOUNTS_DIR = os.path.join(RUN_DIR, "mounts")  # mountpoint -> socket links (register())
@@ -121,8 +122,39 @@ class ControlServer:
         self._gid = None if group is None else group_id(group)
         self._owner = os.geteuid()
         self._limited = RateLimitedLog(log)          # a refused user may loop
+        self._bound: tuple[int, int] | None = None   # the socket file made by _listen
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listener = await self._listen()
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.serve_listeners, self._serve, [listener])
+                while True:
+                    await trio.sleep(SOCKET_CHECK_S)
+                    if self._ident() == self._bound:
+                        continue
+                    # Removed behind the daemon (a cleaner of old files, an operator): the
+                    # mount could never be flushed, queried or stopped by `cachefs umount
+                    # --flush` again (a unit's ExecStop; a helper's hunt). Made again.
+                    try:
+                        listener = await self._listen()
+                    except OSError as exc:
+                        self._limited.warning(("socket",), "the control socket %s was "
+                                              "removed and cannot be made again: %s",
+                                              self.path, exc)
+                        continue
+                    log.warning("the control socket %s was removed or replaced behind "
+                                "cachefs: made again", self.path)
+                    nursery.start_soon(trio.serve_listeners, self._serve, [listener])
+        finally:
+            self._limited.flush()
+            try:
+                os.unlink(self.path)
+            except OSError:             # gone, or its filesystem failing (a dead cache SSD):
+                pass                    # the daemon stops all the same
+
+    async def _listen(self) -> trio.SocketListener:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -137,16 +169,15 @@ class ControlServer:
             os.chown(self.path, -1, self._gid)
             os.chmod(self.path, 0o660)
         sock.listen(16)
-        listener = trio.SocketListener(sock)
-        task_status.started()
+        self._bound = self._ident()
+        return trio.SocketListener(sock)
+
+    def _ident(self) -> tuple[int, int] | None:
         try:
-            await trio.serve_listeners(self._serve, [listener])
-        finally:
-            self._limited.flush()
-            try:
-                os.unlink(self.path)
-            except OSError:             # gone, or its filesystem failing (a dead cache SSD):
-                pass                    # the daemon stops all the same
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         async with stream:

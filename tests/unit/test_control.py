@@ -66,3 +66,27 @@ def test_the_run_directory_is_writable_by_its_owner_only(tmp_path, monkeypatch):
         assert stat.S_IMODE(os.stat(run).st_mode) == 0o755
     finally:
         os.umask(old)
+
+
+async def test_a_control_socket_removed_behind_the_daemon_is_made_again(tmp_path, monkeypatch):
+    """A cleaner of old files (or an operator) removed control.sock: the mount could never be
+    flushed, queried or stopped by `cachefs umount --flush` (a unit's ExecStop) again (a
+    helper's hunt)."""
+    import os
+
+    from cachefs import control
+    monkeypatch.setattr(control, "SOCKET_CHECK_S", 0.05)
+
+    async def stats(request, progress):
+        return {"fine": 1}
+
+    path = str(tmp_path / "control.sock")
+    server = ControlServer(path, {"stats": stats})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        os.unlink(path)
+        with trio.fail_after(5):
+            while not os.path.exists(path):
+                await trio.sleep(0.02)
+        assert await _ask(path, "stats") == {"ok": True, "fine": 1}
+        nursery.cancel_scope.cancel()
