@@ -472,7 +472,7 @@ def _lock_directory(cache_dir: str, lock_fd: int) -> None:
     while it holds the cache. The holder of `lock` holds this one; a moment's wait covers
     one that is exiting."""
     dfd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 1
     while True:
         try:
             fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
