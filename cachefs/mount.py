@@ -36,12 +36,13 @@ from .health import BackingHealth
 from .history import MAX_WINDOW_S, History
 from .inodes import InodeTable
 from .metrics import MetricsServer, bind
-from .openmode import fuse_device
+from .openmode import FUSE_SUPER_MAGIC, fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
                         lock_mountpoint, memory_warning, prepare_cache_dir, raise_fd_limit, room_warning,
                         volatile_cache_warning)
 from .startup import Progress
 from .stats import Stats
+from .statx import mount_id
 from .store import MetadataStore
 from .verify import Verifier
 from .warm import Warm
@@ -176,6 +177,7 @@ class Daemon:
         if self.cfg.metrics is not None:      # a port in use is found before the slow part
             self.metrics = MetricsServer(bind(self.cfg.metrics), self.snapshot)
         root_st = os.fstat(self.backing.root_fd)
+        self.store.backing_mount = mount_id(self.backing.root_fd)
         self.clean_start = self.store.open(os.path.realpath(self.cfg.backing), root_st,
                                            self.cfg.discard_dirty)
         if not self.clean_start:
@@ -203,7 +205,13 @@ class Daemon:
         pool = self.cache.state.pool
         self.progress.phase(lambda: f"loading the extent map: {len(pool)} extents",
                             lambda: len(pool))
-        self.cache.load(self.clean_start)
+        try:
+            self.cache.load(self.clean_start, self._renumbered(root_st),
+                            self.cfg.discard_dirty)
+        except UserError:
+            self.store.close(clean=self.clean_start)
+            raise
+        self.store.record_backing(root_st)
         if self.cache.dirty:
             log.info("%s of dirty data from an earlier mount (write-back, or written by a "
                      "shared mapping in passthrough) will be destaged",
@@ -403,6 +411,28 @@ class Daemon:
             wrong = {ino: (have.get(ino, 0), want.get(ino, 0))
                      for ino in set(have) | set(want) if have.get(ino, 0) != want.get(ino, 0)}
             raise InvariantError(f"eviction protection (held, owned) by inode: {wrong}")
+
+    def _renumbered(self, root_st: os.stat_result) -> str | None:
+        """Why BACKING's inode numbers may have changed since the last mount, or None: a
+        FUSE BACKING whose root has another device number was mounted again, and many
+        number their files anew at every mount (CacheState._distrust_numbers). NFS and
+        local filesystems keep their numbers (an NFS mount gets a new device too)."""
+        before, now = self.store.previous_backing_mount, self.store.backing_mount
+        if before not in (None, "None") and now is not None:
+            if before == str(now):      # (device numbers are given out again: not these)
+                return None
+            what = f"mount {before} then, {now} now"
+        else:
+            before = self.store.previous_backing_dev
+            if before is None or before == f"{root_st.st_dev}:{root_st.st_ino}":
+                return None
+            what = f"device {before.partition(':')[0]} then, {root_st.st_dev} now"
+        try:
+            if fs_type(self.backing.root_fd) != FUSE_SUPER_MAGIC:
+                return None
+        except OSError:
+            return None
+        return f"is a FUSE filesystem mounted again since cachefs last used it ({what})"
 
     async def _watch_backing(self) -> None:
         """Once a second: is a BACKING write stalled (running past --backing-timeout)? Every

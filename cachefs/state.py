@@ -23,6 +23,7 @@ from .backing import Backing
 from .cachefiles import CacheFiles, pwrite_all
 from .config import BLK_SIZE, EXT_SIZE, Config, format_size
 from .dirty import DirtyIndex
+from .errors import UserError
 from .extentmap import ExtentMap
 from .extents import (BLK_SHIFT, EXT_SHIFT, FULL_MASK, KEEP_ATIME, CachedFile, Extent,
                       block_mask, identity, popcount, racy, runs)
@@ -80,11 +81,13 @@ class CacheState:
         self._reserve_gone = False      # the reserve file was given up (room.py)
         self.db_dirty_evicted: set[tuple[int, int]] = set()   # see committed()
 
-    def load(self, clean_stop: bool) -> None:
+    def load(self, clean_stop: bool, renumbered: str | None = None,
+             discard_dirty: bool = False) -> None:
         """Rebuild the in-memory map from the store (warm restart, or recovery).
 
         After an unclean stop, every valid block of an extent in the doubt journal is
-        treated as dirty: it may hold data newer than BACKING.
+        treated as dirty: it may hold data newer than BACKING. `renumbered`: why BACKING's
+        inode numbers may have changed since (_distrust_numbers).
         """
         files, extents = self.store.load()
         checking, self.map.check_all = self.map.check_all, False     # checked when whole
@@ -116,6 +119,8 @@ class CacheState:
                 over += 1
                 continue
             self.map.restore(cf, ext, valid, dirty, sums, summed)
+        if renumbered is not None:
+            self._distrust_numbers(renumbered, discard_dirty)
         for key in self.store.meta_keys(MAPPED):
             self.store.queue_meta(key, None)        # committed with the dirty marks below
             cf = self.files.get(int(key[len(MAPPED):]))
@@ -178,6 +183,57 @@ class CacheState:
                         "capacity)", over, format_size(self.capacity_exts * EXT_SIZE))
         if doubt:
             log.warning("unclean stop: %d extents in doubt are treated as dirty", len(doubt))
+
+    def _distrust_numbers(self, why: str, discard_dirty: bool) -> None:
+        """BACKING is a FUSE filesystem mounted again since the last stop (`why`): many
+        (libfuse's high-level ones, such as sshfs without -o use_ino) number their files
+        anew at every mount, in lookup order, so a cached file's number may now be another
+        file's, of the same size and times: one file's bytes were served as another's, and
+        dirty data was destaged into the wrong file (a helper's hunt). Clean data goes
+        (reason: recovery). Dirty data stays for files whose path still leads to the same
+        number; if one's does not, the mount is refused (with `discard_dirty`, that file's
+        dirty data goes instead, reason: orphan)."""
+        root = self.backing.root_fd
+        moved = []
+        for cf in self.files.values():
+            if not cf.dirty_exts:
+                continue
+            try:
+                fd = bp.open_by_ino(root, cf.path, cf.ino, self._root_paths, walk=False)
+            except OSError:
+                fd = -2
+            if fd >= 0:
+                os.close(fd)
+            else:
+                moved.append(cf)
+        if moved and not discard_dirty:
+            cf = moved[0]
+            raise UserError(
+                f"BACKING {self.cfg.backing} {why}, and it may number its files anew at "
+                f"every mount: {len(moved)} file(s) with write-back data not yet in BACKING "
+                f"are not at their inode number any more ({os.fsdecode(cf.path or b'?')} was "
+                f"inode {cf.ino}), so cachefs cannot tell which file that data belongs to. "
+                "Mount BACKING with stable inode numbers (sshfs: -o use_ino), or mount with "
+                "--discard-dirty to drop that data.")
+        for cf in moved:
+            self.orphaned(cf, "is not at its inode number any more (BACKING numbers its "
+                          "files anew at every mount; --discard-dirty)")
+        dropped = 0
+        for cf in list(self.files.values()):
+            for x in list(cf.extents.values()):
+                if x.dirty:
+                    self.map.invalidate(cf, x, FULL_MASK)
+                else:
+                    self.evict(cf, x)
+                    dropped += 1
+            if not cf.extents:              # its path hint may name another file now
+                del self.files[cf.ino]
+                self.store.queue_drop_file(cf.ino)
+        self.stats.drop_recovery += dropped
+        if dropped:
+            log.warning("BACKING %s; its inode numbers may differ now (a FUSE filesystem may "
+                        "number its files anew at every mount), so the %d cached clean "
+                        "extents are dropped (reason: recovery)", why, dropped)
 
     def _bind_dirty(self, files: list[CachedFile]) -> None:
         """At mount, the files with dirty data whose birth time is known: open BACKING's

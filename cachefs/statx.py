@@ -103,3 +103,18 @@ def dio_align(fd: int) -> tuple[int, int]:
             not buf.mask & STATX_DIOALIGN:
         return 0, 0
     return buf.dio_mem_align, buf.dio_offset_align
+
+
+STATX_MNT_ID_UNIQUE = 0x4000    # Linux 6.8: a mount's 64-bit id, never given to another mount
+
+
+def mount_id(fd: int) -> int | None:
+    """The unique id of the mount holding `fd` (no two mounts ever get the same one, unlike
+    device numbers of FUSE and NFS mounts, which are given out again), None where the
+    kernel does not tell (before 6.8)."""
+    if _statx is None:
+        return None
+    buf = _Statx()
+    if _statx(fd, b"", AT_EMPTY_PATH, STATX_MNT_ID_UNIQUE, ctypes.byref(buf)) != 0:
+        return None
+    return buf.mnt_id if buf.mask & STATX_MNT_ID_UNIQUE else None

@@ -186,6 +186,9 @@ class MetadataStore:
         self.journal = DoubtJournal(cache_dir)        # write-back: extents in doubt
         self._lock = threading.Lock()                  # held by every use of self._db
         self._ident: tuple[int, int] | None = None     # (st_dev, st_ino) of the open db
+        self.previous_backing_dev: str | None = None   # BACKING's "dev:ino" at the last mount
+        self.previous_backing_mount: str | None = None  # and its mount's unique id
+        self.backing_mount: int | None = None          # this mount's (statx.mount_id), if known
         self._limiter = trio.CapacityLimiter(1)        # commits run one at a time, in order
 
     # -- opening -------------------------------------------------------------------------
@@ -308,13 +311,14 @@ class MetadataStore:
             raise CorruptStore(f"the metadata database {self.path} is corrupt or unreadable "
                                f"({exc}).") from None
         clean = meta.get("clean", "1") == "1"
+        self.previous_backing_dev = meta.get("backing_dev")     # before they are replaced
+        self.previous_backing_mount = meta.get("backing_mount")
 
         def mark_in_use() -> None:
             with db:
                 db.execute("BEGIN")
                 db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
                     ("backing", path_text(backing_real)),
-                    ("backing_dev", f"{backing_root.st_dev}:{backing_root.st_ino}"),
                     ("clean", "0"),
                 ])
         try:
@@ -348,6 +352,14 @@ class MetadataStore:
         except OSError as exc:
             raise UserError(f"cannot open the metadata database {self.path} as a private "
                             f"file: {exc.strerror}.") from None
+
+    def record_backing(self, root: os.stat_result) -> None:
+        """BACKING's root and mount as this mount found them: after the map was loaded
+        against the ones recorded before (a mount refused there must not replace them: the
+        next one took a remounted BACKING for the same mount, Daemon._renumbered)."""
+        self.set_meta("backing_dev", f"{root.st_dev}:{root.st_ino}")
+        if self.backing_mount is not None:
+            self.set_meta("backing_mount", str(self.backing_mount))
 
     def set_meta(self, key: str, value: str) -> None:
         with self._lock:
