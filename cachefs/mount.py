@@ -54,15 +54,21 @@ Ready = Callable[..., None]
 
 
 def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify) about our state, if it is listening."""
+    """Tell systemd (Type=notify) about our state, if it is listening. A NOTIFY_SOCKET that
+    leads nowhere (inherited from a shell started by a unit, a stale one) is said once
+    and ignored: the daemon died of it right after mounting (a helper's hunt)."""
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return
     if addr.startswith("@"):
         addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        s.sendall(message.encode(errors="surrogateescape"))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(message.encode(errors="surrogateescape"))
+    except OSError as exc:
+        log.warning("NOTIFY_SOCKET %s does not take systemd notifications (%s): ignored",
+                    os.environ.pop("NOTIFY_SOCKET"), exc.strerror or exc)
 
 
 FUSECTL = "/sys/fs/fuse/connections"

@@ -807,6 +807,19 @@ def test_a_default_cache_directory_is_not_made_anew_beside_stranded_dirty_data(m
     stranded_elsewhere(str(moved), new_default)         # nothing dirty left: a new one is fine
 
 
+def test_a_notify_socket_that_leads_nowhere_is_ignored(env):
+    """NOTIFY_SOCKET inherited from a unit's shell, or stale: `cachefs mount` said 0 and the
+    daemon died of a traceback right after mounting (a helper's hunt)."""
+    res = env.mount(user_env={**os.environ, "NOTIFY_SOCKET": str(env.tmp / "nowhere")})
+    assert res.returncode == 0, res.stderr
+    time.sleep(0.5)
+    assert is_mounted(env.mnt)
+    assert run([*CTL, "stats", str(env.mnt)]).returncode == 0
+    assert run([*CACHEFS, "umount", str(env.mnt)]).returncode == 0
+    log = (env.cache / "cachefs.log").read_text()
+    assert "Traceback" not in log and "does not take systemd notifications" in log, log
+
+
 def test_a_mount_named_in_bytes_not_utf8_on_the_host_stops_nothing(env):
     """Any mount on the host whose path is not UTF-8 (a USB stick's label, a helper's
     test) made every reader of the mount table fail with a UnicodeDecodeError traceback:
