@@ -211,12 +211,17 @@ class Coherence:
         """getattr/lookup saw BACKING's attributes: revalidate, invalidate the kernel cache."""
         cf = self.files.get(ino)
         if cf is not None and not self.revalidate(cf, st, token):
-            cf.kernel_stale = True      # the next open drops the kernel's pages itself
-            try:
-                self._stale_send.send_nowait(ino)
-            except trio.WouldBlock:
-                log.warning("kernel invalidation queue full; inode %d may be cached until "
-                            "its attribute timeout", ino)
+            self.kernel_stale(cf)
+
+    def kernel_stale(self, cf: CachedFile) -> None:
+        """The kernel's pages of `cf` may hold bytes that are no longer the file's: dropped
+        now (fs.run_invalidator), and by the next open."""
+        cf.kernel_stale = True
+        try:
+            self._stale_send.send_nowait(cf.ino)
+        except trio.WouldBlock:
+            log.warning("kernel invalidation queue full; inode %d may be cached until "
+                        "its attribute timeout", cf.ino)
 
     def own_metadata_change(self, ino: int, st: os.stat_result | None,
                             times_set: bool = False) -> None:

@@ -205,6 +205,9 @@ class Verifier:
         counts.stale += bin(mask).count("1")
         self._stats.drop_coherence += 1
         self._s.map.invalidate(cf, x, mask)
+        # The kernel's page cache may hold the same stale bytes (read from the cache before):
+        # dropped, or reads stayed wrong until the pages were evicted (a helper's hunt).
+        self._cache.coherence.kernel_stale(cf)
         log.warning("verify: %d clean cached blocks of %s differ from BACKING at extent %d; "
                     "dropped (reason: coherence)", bin(mask).count("1"),
                     os.fsdecode(cf.path or b"?"), x.ext)

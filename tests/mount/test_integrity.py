@@ -189,6 +189,34 @@ def test_verify_against_backing_drops_blocks_that_differ(make_mount):
     assert rc == 1 and res["stale_blocks"] == 1, res
 
 
+@pytest.mark.no_passthrough
+def test_verify_against_backing_drops_the_kernels_stale_pages_too(make_mount, tmp_path):
+    """The blocks that differed were dropped from the cache, but the kernel's page cache of
+    the file kept the same stale bytes: reads stayed wrong until the pages were evicted (a
+    helper's hunt, 4 of 4). BACKING here shows whole seconds and ctime = mtime (as sshfs),
+    so a change that keeps the size and mtime is seen by nothing but verify."""
+    from tests.mount.test_renumbering_backing import renumbering
+    src, bk = tmp_path / "src", tmp_path / "bk"
+    src.mkdir()
+    bk.mkdir()
+    data = os.urandom(SIZE)
+    (src / "f").write_bytes(data)
+    os.utime(src / "f", (1_767_268_800, 1_767_268_800))
+    with renumbering(src, bk, "f"):
+        m = make_mount("--mode", "write-through", "--promote-after", "1", backing=bk)
+        warm(m, "f", SIZE)
+        assert m.path("f").read_bytes() == data     # into the kernel's page cache
+        with open(src / "f", "r+b") as f:           # changed behind the cache, times kept
+            f.seek(8192)
+            f.write(b"x" * 100)
+        os.utime(src / "f", (1_767_268_800, 1_767_268_800))
+        want = (src / "f").read_bytes()
+        rc, res = verify(m, "--against-backing")
+        assert rc == 1 and res["stale_blocks"] == 1, res
+        wait_until(lambda: m.path("f").read_bytes() == want, 5, what="the stale pages to go")
+        m.stop()
+
+
 def test_verify_of_paths_outside_the_mount_is_a_clear_error(make_mount, tmp_path):
     m = make_mount()
     out = subprocess.run([*CTL, "verify", str(m.mnt), str(tmp_path)], capture_output=True,
