@@ -216,6 +216,7 @@ def check_paths(cfg: Config) -> None:
     check_overlaps(cfg)
     if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
         raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
+    check_cache_dir_contents(cfg)
     _check_cache_size(cfg)
     if not os.path.exists("/dev/fuse"):
         raise UserError("/dev/fuse does not exist: load the fuse kernel module "
@@ -337,6 +338,43 @@ def _is_fuse_mount(path: str) -> bool:
         return any(mnt == real for mnt, _ in mounttable.mounts())
     except OSError:
         return True
+
+
+def _ours(name: str) -> bool:
+    """A name a cache directory of cachefs holds (or lost+found of a filesystem's root)."""
+    return (name in PRIVATE_FILES or name in ("data", "lost+found")
+            or name.startswith(("damaged-", "cachefs.db.")))
+
+
+def check_cache_dir_contents(cfg: Config) -> None:
+    """A directory that is not a cache directory, given as one (BACKING and --cache-dir
+    swapped, a typo): it was made 0700, losing every other user's access, and its files
+    named lock, reserve or cachefs.log were overwritten (a helper's hunt). Refused unless
+    empty or holding only cachefs's files. And a cache directory given as BACKING is
+    refused too: its database and data files would be served and written as files."""
+    try:
+        names = os.listdir(cfg.cache_dir)
+    except FileNotFoundError:
+        names = []
+    except OSError as exc:
+        raise UserError(f"the cache directory {cfg.cache_dir} cannot be read: "
+                        f"{exc.strerror}.") from None
+    if "cachefs.db" not in names:
+        foreign = sorted(n for n in names if not _ours(n))
+        if foreign:
+            raise UserError(f"the cache directory {cfg.cache_dir} is not empty and is no "
+                            f"cache directory of cachefs (it holds {foreign[0]!r}"
+                            + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
+                            + "): give an empty or new directory (BACKING and --cache-dir "
+                            "swapped?).")
+    try:
+        backing_names = set(os.listdir(cfg.backing))
+    except OSError:
+        return
+    if {"cachefs.db", "data", "lock"} <= backing_names:
+        raise UserError(f"BACKING {cfg.backing} is a cache directory of cachefs (it holds "
+                        "cachefs.db, data and lock): give the slow directory as BACKING "
+                        "(BACKING and --cache-dir swapped?).")
 
 
 def prepare_cache_dir(cfg: Config, data_files: bool = True) -> None:

@@ -226,6 +226,31 @@ def test_cache_dir_inside_mountpoint(env, fg):
     env.assert_nothing_left()
 
 
+@pytest.mark.parametrize("swapped", ["a-data-directory-as-cache", "a-cache-as-backing"])
+def test_backing_and_cache_dir_swapped_are_refused(make_mount, env, swapped):
+    """`cachefs mount /ssd/cache /mnt --cache-dir /srv/data`: the data directory was made
+    0700 (every other user lost it) and its file named `lock` overwritten; the mirror
+    mistake served a cache directory's database and data files as BACKING (a helper's
+    hunt). Refused, before anything is changed."""
+    if swapped == "a-data-directory-as-cache":
+        data = env.tmp / "data-dir"
+        data.mkdir(mode=0o755)
+        (data / "lock").write_text("the user's own file\n")
+        (data / "report.txt").write_text("x")
+        os.chmod(data, 0o755)
+        res = env.mount(cache=data)
+        assert_sentence(res, str(data), "not empty", "no cache directory of cachefs")
+        assert stat.S_IMODE(os.stat(data).st_mode) == 0o755
+        assert (data / "lock").read_text() == "the user's own file\n"
+        assert sorted(p.name for p in data.iterdir()) == ["lock", "report.txt"]
+    else:
+        other = make_mount(name="other")
+        other.stop()
+        res = env.mount(backing=other.cache)
+        assert_sentence(res, str(other.cache), "is a cache directory of cachefs")
+    assert not is_mounted(env.mnt)
+
+
 def test_cache_dir_is_a_file(env):
     cache = env.tmp / "cache-file"
     cache.write_bytes(b"x")
