@@ -68,6 +68,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     preflight.check_paths(cfg)
     preflight.prepare_cache_dir(cfg, data_files=False)     # the daemon walks data/ itself
     log_path = os.path.join(cfg.cache_dir, "cachefs.log")
+    for fd in (0, 1, 2):
+        # Closed by a script or supervisor: the ready pipe took 0 or 1, the daemon's stdin
+        # and stdout replaced it, and a mount that was made said "exited before the mount
+        # was ready", exit 1 (a helper's hunt). /dev/null takes the lowest free number.
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)
     r, w = os.pipe()
     log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -156,6 +164,11 @@ def _run_foreground(cfg) -> int:
     logging.basicConfig(level=logging.DEBUG if cfg.debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ready_fd = int(os.environ.pop(READY_ENV, "-1"))
+    if ready_fd >= 0:
+        # The background daemon: its paths are absolute (config_to_argv). It kept the
+        # operator's working directory busy for its whole life (a USB stick, an NFS home
+        # could not be unmounted: a helper's hunt).
+        os.chdir("/")
     stopped_by: list[str] = []
     # Before the mount exists (a start may take minutes: a large map, a destage before a
     # write-through mount) a SIGHUP (logrotate's) killed the daemon, and SIGTERM ended it

@@ -7,9 +7,9 @@ import argparse
 import math
 import os
 
+from cachefs import mounttable, preflight
 from cachefs.config import (Config, default_cache_dir, format_address, parse_address,
                             parse_share, parse_size)
-from cachefs import preflight
 from cachefs.errors import UserError
 
 # -o names understood by cachefs itself (fstab form); everything else goes to FUSE.
@@ -142,6 +142,22 @@ _OURS = {
 }
 
 
+def _absolute(path: str) -> str:
+    """`path` absolute. `..` after a symlink is the symlink's target's parent, as the kernel
+    takes it: os.path.abspath dropped `link/..` by its text, and `cachefs mount x/link/..`
+    served and wrote into x instead of the directory named (a helper's hunt)."""
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        if not path.startswith("/"):
+            raise UserError(f"{path} is relative and the current directory no longer exists; "
+                            "give absolute paths.") from None
+        cwd = "/"
+    if ".." in path.split("/"):
+        return mounttable.resolve(path if path.startswith("/") else os.path.join(cwd, path))
+    return os.path.normpath(os.path.join(cwd, path))
+
+
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
@@ -168,6 +184,12 @@ def _gather(args: argparse.Namespace) -> tuple[dict[str, str], list[str]]:
             if key:
                 if not value.strip():
                     raise UserError(f"-o {name} needs a value ({name}=...).")
+                if key == "cache_dir" and not os.path.isabs(value):
+                    # fstab's form: mount(8) runs from any directory (at boot, /), so a
+                    # relative one named another, cold cache at each (a helper's hunt).
+                    raise UserError(f"-o {name}={value} is a relative path; give the cache "
+                                    "directory as an absolute path (mount(8) and fstab run "
+                                    "from any directory).")
                 if key in values:
                     raise UserError(f"{_flag(key)} is given twice (-o {name}={value} and "
                                     f"{values[key]!r}); give it once.")
@@ -191,13 +213,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
     for what, path in (("BACKING", args.backing), ("MOUNTPOINT", args.mountpoint)):
         if not path.strip():
             raise UserError(f"{what} is empty; give a directory.")
-    backing = os.path.abspath(args.backing)
+    backing = _absolute(args.backing)
     if not values.get("cache_dir"):
         preflight.stranded_elsewhere(backing, default_cache_dir(backing))
     kw = dict(
         backing=backing,
-        mountpoint=os.path.abspath(args.mountpoint),
-        cache_dir=os.path.abspath(values.get("cache_dir") or default_cache_dir(backing)),
+        mountpoint=_absolute(args.mountpoint),
+        cache_dir=_absolute(values.get("cache_dir") or default_cache_dir(backing)),
         foreground=bool(getattr(args, "foreground", False)),
         fuse_options=tuple(fuse),
         debug=bool(getattr(args, "debug", False)),

@@ -251,6 +251,43 @@ def test_backing_and_cache_dir_swapped_are_refused(make_mount, env, swapped):
     assert not is_mounted(env.mnt)
 
 
+def test_dotdot_after_a_symlink_is_the_directory_the_kernel_names(env):
+    """`x/link/..` is the parent of link's target to the kernel, ls and cp; os.path.abspath
+    dropped `link/..` as text and cachefs served, and wrote into, x (a helper's hunt)."""
+    (env.tmp / "data" / "current").mkdir(parents=True)
+    (env.tmp / "data" / "f").write_bytes(b"in data")
+    (env.backing / "link").symlink_to(env.tmp / "data" / "current")
+    (env.backing / "f").write_bytes(b"in x")
+    res = env.mount(backing=env.backing / "link" / "..")
+    assert res.returncode == 0, res.stderr
+    assert (env.mnt / "f").read_bytes() == b"in data"
+    assert run([*CACHEFS, "umount", str(env.mnt)]).returncode == 0
+
+
+def test_a_relative_cache_dir_in_the_fstab_form_is_refused(env):
+    """mount(8) runs from any directory (at boot, /): `cache_dir=ssdcache` named another,
+    cold cache directory at each, and fsynced write-back data was stranded (a helper's
+    hunt). The command line's --cache-dir is relative to where it is typed, as any path."""
+    res = env.mount("-o", "cache_dir=ssdcache", cache=False)
+    assert_sentence(res, "cache_dir=ssdcache", "relative path", "absolute")
+
+
+def test_closed_standard_streams_still_get_the_mounts_answer(env):
+    """With stdin and stdout closed (a script, a supervisor) the ready pipe took their
+    numbers, the daemon's own stdin and stdout replaced it, and `cachefs mount` said the
+    daemon exited before the mount was ready (exit 1) while the mount was made (a helper's
+    hunt). The background daemon also leaves the operator's directory (it kept it busy)."""
+    cmd = " ".join([*CACHEFS, "mount", "--cache-dir", str(env.cache), str(env.backing),
+                    str(env.mnt)])
+    env._started.append((env.mnt, env.cache))
+    res = subprocess.run(["sh", "-c", f"exec {cmd} <&- >&-"], capture_output=False,
+                         stderr=subprocess.PIPE, text=True, timeout=90, cwd=env.tmp)
+    assert res.returncode == 0, res.stderr
+    assert is_mounted(env.mnt)
+    assert os.readlink(f"/proc/{_lock_pid(env.cache)}/cwd") == "/"
+    assert run([*CACHEFS, "umount", str(env.mnt)]).returncode == 0
+
+
 def test_cache_dir_is_a_file(env):
     cache = env.tmp / "cache-file"
     cache.write_bytes(b"x")
