@@ -268,8 +268,11 @@ def test_a_relative_cache_dir_in_the_fstab_form_is_refused(env):
     """mount(8) runs from any directory (at boot, /): `cache_dir=ssdcache` named another,
     cold cache directory at each, and fsynced write-back data was stranded (a helper's
     hunt). The command line's --cache-dir is relative to where it is typed, as any path."""
-    res = env.mount("-o", "cache_dir=ssdcache", cache=False)
+    env._started.append((env.mnt, env.tmp / "ssdcache"))
+    res = run([*CACHEFS, "mount", "-o", "cache_dir=ssdcache", str(env.backing), str(env.mnt)],
+              cwd=env.tmp)                  # (not the suite's directory, should it mount)
     assert_sentence(res, "cache_dir=ssdcache", "relative path", "absolute")
+    assert not (env.tmp / "ssdcache").exists()
 
 
 def test_closed_standard_streams_still_get_the_mounts_answer(env):
