@@ -365,6 +365,17 @@ def unmounted_at_end():
 
 # -- reading through a mount ------------------------------------------------------------------
 
+def write_synced(path, data: bytes, off: int = 0) -> None:
+    """Write `data` at `off` of the file at `path` (made if missing) and fsync it: an
+    acknowledged, durable write-back write."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def read_blocks(path, offsets, size: int = 4096) -> dict[int, bytes]:
     """Read with O_DIRECT so the kernel page cache cannot answer for cachefs."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
 from tests.conftest import (CACHEFS, CTL, ctl_flush, force_unmount,  # noqa: E402
-                            pread_aligned, wait_until, warm)
+                            pread_aligned, wait_until, warm, write_synced)
 
 pytestmark = pytest.mark.fuse
 KiB = 1024
@@ -304,13 +304,7 @@ def test_a_backing_whose_server_died_gives_eio_and_the_live_mount_stays(slow_bac
     EIO, and the second mount is refused with a sentence."""
     src, slow, sf = slow_backing
     m = make_mount("--mode", "write-back", "--max-dirty-age", "600", backing=slow)
-    data = os.urandom(4 * 65536)
-    fd = os.open(m.path("f"), os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_synced(m.path("f"), os.urandom(4 * 65536))
     sf.proc.kill()                                  # BACKING's server dies
     sf.proc.wait()
     for _ in range(2):

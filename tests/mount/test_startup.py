@@ -18,26 +18,14 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
-from tests.conftest import CACHEFS, force_unmount, is_mounted, wait_until  # noqa: E402
+from tests.conftest import (CACHEFS, force_unmount, is_mounted, wait_until,  # noqa: E402
+                            write_synced)
+from tests.mount.test_errors import _alive as alive  # noqa: E402
+from tests.mount.test_errors import _lock_pid as lock_pid  # noqa: E402
 
 pytestmark = pytest.mark.fuse
 
 MiB = 1 << 20
-
-
-def lock_pid(cache) -> int | None:
-    try:
-        return int((cache / "lock").read_text().split("\n")[0])
-    except (OSError, ValueError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("how", ["SIGHUP", "SIGTERM", "ctrl-c"])
@@ -50,12 +38,7 @@ def test_a_long_start_reports_progress_and_takes_signals(make_mount, tmp_path, h
         m = make_mount("--mode", "write-back", "--max-dirty-age", "600", "--dirty-high",
                        "100M", "--cache-size", "256M", backing=slow)
         data = os.urandom(6 * MiB)
-        fd = os.open(m.path("f"), os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_synced(m.path("f"), data)
         m.stop()                                    # 6 MiB dirty: 6 s at 1 MB/s
         old = lock_pid(m.cache)
         cli = subprocess.Popen([*CACHEFS, "mount", "--cache-dir", str(m.cache),
