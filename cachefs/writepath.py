@@ -266,10 +266,12 @@ class WritePath(HeldWrites, Allocations):
                     bt = min(t, base + (b1 << BLK_SHIFT))
                     try:
                         pwrite_all(self.cachefiles.fd(cf), view[bs - off:bt - off], bs)
-                    except OSError as exc:  # the SSD is failing (or gone: ENOENT, which
-                        self._s.ssd_failed(exc, "a write into dirty blocks")    # a program
+                    except OSError as exc:
+                        # The SSD is failing, or gone: its errno (ENOENT) would tell the
+                        # program that the file is gone.
+                        self._s.ssd_failed(exc, "a write into dirty blocks")
                         raise OSError(errno.EIO, "the cache SSD failed a write into dirty "
-                                      "blocks") from None   # takes for "no such file")
+                                      "blocks") from None
                     self._s.map.write(cf, x, block_mask(bs - base, bt - base),
                                       whole=covered_mask(bs - base, bt - base, cf.size - base))
                 self._s.map.invalidate(cf, x, m)
