@@ -368,9 +368,11 @@ class ReadPath:
             buf.extend(bytes(end - off - len(buf)))
         try:
             fd = self.cachefiles.fd(cf)
-        except OSError as exc:          # dirty blocks only the SSD has: the SSD's failure
-            self.stats.cache_errors += 1        # (EPERM of an immutable file, EMFILE) is
-            raise OSError(errno.EIO, f"cache file unusable: {exc}") from None   # an EIO here
+        except OSError as exc:
+            # Dirty blocks only the SSD has: its failure to open the cache file (EPERM of
+            # an immutable file, EMFILE, ENOENT) is an EIO of this read.
+            self.stats.cache_errors += 1
+            raise OSError(errno.EIO, f"cache file unusable: {exc}") from None
         for e, s, t, m in spans(off, end):
             x = cf.extents.get(e)
             if x is None:
