@@ -50,8 +50,10 @@ class Handles:
         self._borrowed: dict[int, int] = {}       # BACKING fd -> requests using it now
         self._retired: set[int] = set()           # released while borrowed: the last closes
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        self._handle_budget = (max(soft - FD_RESERVE, 64) if soft != resource.RLIM_INFINITY
-                               else 1 << 30)
+        # (A floor above the limit itself let handles take every descriptor under a small
+        # limit: a write-back fsync then failed with EIO, its commit out of descriptors.)
+        self._handle_budget = (max(soft - FD_RESERVE, soft // 4)
+                               if soft != resource.RLIM_INFINITY else 1 << 30)
         self._counted = (0, -RECOUNT_EVERY)     # (descriptors in use, len(open)) when counted
 
     def has(self, ino: int) -> bool:

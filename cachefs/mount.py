@@ -32,14 +32,15 @@ from .config import EXT_SIZE, Config, dirty_marks, format_size
 from .control import ControlServer, register, socket_path, unregister
 from .errors import BackingTimeout, CommandFailed, InvariantError, UserError
 from .fs import Operations
+from .handles import FD_RESERVE, FDS_PER_HANDLE
 from .health import BackingHealth
 from .history import MAX_WINDOW_S, History
 from .inodes import InodeTable
 from .metrics import MetricsServer, bind
 from .openmode import FUSE_SUPER_MAGIC, fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
-                        lock_mountpoint, memory_warning, prepare_cache_dir, raise_fd_limit, room_warning,
-                        volatile_cache_warning)
+                        lock_mountpoint, memory_warning, prepare_cache_dir, raise_fd_limit,
+                        room_warning, volatile_cache_warning)
 from .startup import Progress
 from .stats import Stats
 from .statx import mount_id
@@ -72,6 +73,7 @@ def sd_notify(message: str) -> None:
 
 
 FUSECTL = "/sys/fs/fuse/connections"
+FD_LIMIT_WARN = 4096        # a descriptor limit below this is said at mount
 MAX_BACKGROUND = 64
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -586,13 +588,18 @@ def run(cfg: Config, ready: Ready, progress: Progress | None = None) -> int:
     try:
         held = lock_mountpoint(cfg.mountpoint)     # until mounted (Daemon.serve)
         check_paths(cfg)
-        raise_fd_limit()
+        fd_limit = raise_fd_limit()
         prepare_cache_dir(cfg)
         lock_fd = lock_cache_dir(cfg.cache_dir, cfg.mountpoint)
         progress.phase("opening the cache directory")
         daemon = Daemon(cfg)
         daemon.progress = progress
         daemon.mountpoint_lock = held
+        if fd_limit < FD_LIMIT_WARN:
+            daemon._warn(f"the daemon may open only {fd_limit} descriptors (its hard limit): "
+                         f"about {max(fd_limit - FD_RESERVE, fd_limit // 4) // FDS_PER_HANDLE}"
+                         " files can be open through the mount at once, further opens fail "
+                         "with ENFILE; raise it (ulimit -n, systemd's LimitNOFILE=)")
         daemon.open()
     except UserError as exc:
         ready(USER_MISTAKE + str(exc))
