@@ -73,7 +73,7 @@ def sd_notify(message: str) -> None:
 
 
 FUSECTL = "/sys/fs/fuse/connections"
-FD_LIMIT_WARN = 4096        # a descriptor limit below this is said at mount
+FD_LIMIT_WARN = 1024        # a descriptor limit below this is said at mount
 MAX_BACKGROUND = 64
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
