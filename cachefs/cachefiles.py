@@ -103,11 +103,7 @@ class CacheFiles:
                     copied += n
             os.fdatasync(out)
             os.rename(tmp, path)
-            dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(os.path.dirname(path))
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -155,6 +151,15 @@ class CacheFiles:
                     punch_hole(fd, ext << EXT_SHIFT, EXT_SIZE)
             finally:
                 os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or creation in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def pwrite_all(fd: int, data, off: int) -> None:

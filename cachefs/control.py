@@ -34,6 +34,7 @@ import trio
 
 from .errors import CommandFailed
 from .oplog import RateLimitedLog
+from .statx import file_id
 
 log = logging.getLogger("cachefs.control")
 
@@ -132,7 +133,7 @@ class ControlServer:
                 nursery.start_soon(trio.serve_listeners, self._serve, [listener])
                 while True:
                     await trio.sleep(SOCKET_CHECK_S)
-                    if self._ident() == self._bound:
+                    if file_id(self.path) == self._bound:
                         continue
                     # Removed behind the daemon (a cleaner of old files, an operator): the
                     # mount could never be flushed, queried or stopped by `cachefs umount
@@ -169,15 +170,8 @@ class ControlServer:
             os.chown(self.path, -1, self._gid)
             os.chmod(self.path, 0o660)
         sock.listen(16)
-        self._bound = self._ident()
+        self._bound = file_id(self.path)
         return trio.SocketListener(sock)
-
-    def _ident(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         async with stream:

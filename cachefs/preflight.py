@@ -24,6 +24,7 @@ from .backing import fs_type
 from .config import EXT_SIZE, Config, format_size
 from .errors import UserError
 from .room import full_sentence, is_full, with_room
+from .statx import file_id
 
 log = logging.getLogger("cachefs")
 
@@ -39,9 +40,9 @@ def _inside(path: str, parent: str) -> bool:
     path, parent = os.path.realpath(path), os.path.realpath(parent)
     if path == parent or path.startswith(parent.rstrip("/") + "/"):
         return True
-    node = _node(parent)
+    node = file_id(parent)
     while node is not None:
-        if _node(path) == node:
+        if file_id(path) == node:
             return True
         up = os.path.dirname(path)
         if up == path:
@@ -53,16 +54,8 @@ def _inside(path: str, parent: str) -> bool:
 def _same(a: str, b: str) -> bool:
     if os.path.realpath(a) == os.path.realpath(b):
         return True
-    node = _node(a)
-    return node is not None and node == _node(b)
-
-
-def _node(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
+    node = file_id(a)
+    return node is not None and node == file_id(b)
 
 
 VOLATILE_FS_TYPES = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}

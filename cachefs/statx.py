@@ -118,3 +118,12 @@ def mount_id(fd: int) -> int | None:
     if _statx(fd, b"", AT_EMPTY_PATH, STATX_MNT_ID_UNIQUE, ctypes.byref(buf)) != 0:
         return None
     return buf.mnt_id if buf.mask & STATX_MNT_ID_UNIQUE else None
+
+
+def file_id(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of what `path` names now, None if it names nothing reachable."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

@@ -21,6 +21,7 @@ import time
 import trio
 
 from . import room
+from .cachefiles import fsync_dir
 from .errors import UserError
 from .journal import DoubtJournal
 
@@ -134,14 +135,6 @@ def _dirty_elsewhere(db: sqlite3.Connection, backing_real: str, root: os.stat_re
     return (f"BACKING {backing_real} is not the directory this cache's dirty write-back data "
             f"belongs to (its root was inode {row[0].rpartition(':')[2]}, it is inode "
             f"{root.st_ino} now): is BACKING's file system mounted?")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -579,7 +572,7 @@ class MetadataStore:
                     os.rename(self.path + tail, (aside if there is not None else
                                                  self.path + ".found") + tail)
             os.rename(tmp, self.path)
-            _fsync_dir(self.cache_dir)
+            fsync_dir(self.cache_dir)
         except (OSError, sqlite3.Error) as exc:
             if self._db is None:
                 self._db = _connect(tmp if os.path.exists(tmp) else self.path)
