@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import grp
-import hashlib
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from .controlpath import MOUNTS_DIR, RUN_DIR, registry_path, unix_address
 from .errors import CommandFailed
 from .oplog import RateLimitedLog
 from .statx import file_id
@@ -39,28 +39,9 @@ from .statx import file_id
 log = logging.getLogger("cachefs.control")
 
 Handler = Callable[[dict, Callable[[dict], Awaitable[None]]], Awaitable[dict]]
-CONTROL_XATTR = "user.cachefs.control"   # the mount root's xattr naming the socket path
 MAX_REQUEST = 64 * 1024
 SOCKET_CHECK_S = 5.0                          # how often the socket file is looked for
 READ_ONLY = frozenset({"stats", "pid", "history"})   # commands anyone who can connect may run
-RUN_DIR = "/run/cachefs"                     # sockets shared with a --stats-group
-MOUNTS_DIR = os.path.join(RUN_DIR, "mounts")  # mountpoint -> socket links (register())
-
-
-def socket_path(cache_dir: str, stats_group: str | None) -> str:
-    """Where the control socket of the mount of `cache_dir` lives: in the private cache
-    directory, or in RUN_DIR (reachable by others) when a stats group may use it."""
-    if stats_group is None:
-        return os.path.join(cache_dir, "control.sock")
-    real = os.path.realpath(cache_dir)
-    tag = hashlib.sha256(os.fsencode(real)).hexdigest()[:10]
-    return os.path.join(RUN_DIR, f"{os.path.basename(real)[-40:]}-{tag}.sock")
-
-
-def registry_path(real_mountpoint: str) -> str:
-    """The link RUN_DIR/mounts/<hash of the mountpoint> -> the mount's control socket."""
-    tag = hashlib.sha256(os.fsencode(real_mountpoint)).hexdigest()[:16]
-    return os.path.join(MOUNTS_DIR, tag)
 
 
 def register(real_mountpoint: str, sock_path: str) -> str | None:
@@ -156,20 +137,35 @@ class ControlServer:
                 pass                    # the daemon stops all the same
 
     async def _listen(self) -> trio.SocketListener:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """A listening socket at `self.path`. It is made under a temporary name and renamed
+        into place once it listens: a client finds no socket, or one that answers (made at
+        the path itself, a client connecting between its bind and listen, as cachefs-ctl
+        may while it is made again, was refused: ECONNREFUSED)."""
         if self._gid is not None:
             own_dir(os.path.dirname(self.path))
+        tmp = f"{self.path}.{os.getpid()}"
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        await sock.bind(self.path)               # nobody can connect before listen()
-        if self._gid is None:
-            os.chmod(self.path, 0o600)
-        else:
-            os.chown(self.path, -1, self._gid)
-            os.chmod(self.path, 0o660)
-        sock.listen(16)
+        try:
+            with unix_address(tmp) as address:
+                await sock.bind(address)
+            if self._gid is None:
+                os.chmod(tmp, 0o600)
+            else:
+                os.chown(tmp, -1, self._gid)
+                os.chmod(tmp, 0o660)
+            sock.listen(16)
+            os.rename(tmp, self.path)
+        except BaseException:
+            sock.close()
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         self._bound = file_id(self.path)
         return trio.SocketListener(sock)
 

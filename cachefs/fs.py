@@ -21,7 +21,7 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from . import control, trace
+from . import controlpath, trace
 from .attrs import Attributes
 from .cache import Cache
 from .config import Config
@@ -37,7 +37,7 @@ from .oplog import RateLimitedLog
 
 log = logging.getLogger("cachefs.fs")
 
-CONTROL_XATTR = os.fsencode(control.CONTROL_XATTR)
+CONTROL_XATTR = os.fsencode(controlpath.CONTROL_XATTR)
 ACL_ACCESS_XATTR = b"system.posix_acl_access"
 RENAME_WHITEOUT = 4             # linux/fs.h; pyfuse3 names only EXCHANGE and NOREPLACE
 

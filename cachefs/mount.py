@@ -29,7 +29,8 @@ from .backing import LOCAL_FS_TYPES, Backing, fs_type
 from .backingpaths import open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
-from .control import ControlServer, register, socket_path, unregister
+from .control import ControlServer, register, unregister
+from .controlpath import socket_path
 from .errors import BackingTimeout, CommandFailed, InvariantError, UserError
 from .fs import Operations
 from .handles import FD_RESERVE, FDS_PER_HANDLE

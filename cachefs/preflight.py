@@ -172,6 +172,9 @@ def check_overlaps(cfg: Config) -> None:
                             "from both.")
 
 
+SQLITE_PATH_MAX = 512     # bytes of a database's path SQLite's unix VFS takes, NUL included
+
+
 def check_paths(cfg: Config) -> None:
     """Every mistake in BACKING, MOUNTPOINT and the cache directory, as a sentence."""
     cfg.validate()
@@ -209,6 +212,7 @@ def check_paths(cfg: Config) -> None:
     check_overlaps(cfg)
     if os.path.exists(cfg.cache_dir) and not os.path.isdir(cfg.cache_dir):
         raise UserError(f"the cache directory {cfg.cache_dir} is not a directory.")
+    _check_cache_dir_path(cfg.cache_dir)
     check_cache_dir_contents(cfg)
     _check_cache_size(cfg)
     if not os.path.exists("/dev/fuse"):
@@ -219,6 +223,19 @@ def check_paths(cfg: Config) -> None:
                         "the group that owns /dev/fuse.")
     if shutil.which("fusermount3") is None and os.geteuid() != 0:
         raise UserError("fusermount3 is not installed (apt-get install fuse3).")
+
+
+def _check_cache_dir_path(cache_dir: str) -> None:
+    """SQLite opens no database whose path, with its "-journal" suffix, reaches
+    SQLITE_PATH_MAX bytes (resolved: a symbolic link does not shorten it). A deeper cache
+    directory was reported as a corrupt database, with --discard-dirty as the way out."""
+    real = os.fsencode(os.path.realpath(cache_dir))
+    if len(real) + len(b"/cachefs.db-journal") >= SQLITE_PATH_MAX:
+        raise UserError(f"the cache directory {cache_dir} has too long a path "
+                        f"({len(real)} bytes, resolved) for SQLite, which keeps cachefs's "
+                        f"metadata there: use one of at most "
+                        f"{SQLITE_PATH_MAX - 1 - len('/cachefs.db-journal')} bytes (a bind "
+                        "mount of it works; a symbolic link does not, SQLite resolves it).")
 
 
 def _check_cache_size(cfg: Config) -> None:

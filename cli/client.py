@@ -10,7 +10,7 @@ import stat
 from typing import Callable, Iterator
 
 from cachefs import mounttable
-from cachefs.control import CONTROL_XATTR, registry_path
+from cachefs.controlpath import CONTROL_XATTR, registry_path, unix_address
 from cachefs.errors import UserError
 
 
@@ -86,7 +86,8 @@ def _connect(mountpoint: str) -> socket.socket:
     for path in control_paths(mountpoint):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            s.connect(path)
+            with unix_address(path) as address:
+                s.connect(address)
             return s
         except (ConnectionRefusedError, FileNotFoundError) as exc:   # a stale link: next
             s.close()

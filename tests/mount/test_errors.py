@@ -822,6 +822,42 @@ def test_a_backing_named_with_any_bytes_mounts(env, name):
     assert "Traceback" not in log and " ERROR " not in log, log
 
 
+def test_a_cache_directory_deeper_than_a_socket_path_takes_mounts_and_answers(env):
+    """The control socket is control.sock in the cache directory, and an AF_UNIX address
+    takes at most 107 bytes: with a cache directory deeper than ~95 bytes the daemon died at
+    mount ("AF_UNIX path too long", "the daemon stopped before the mount was ready"), and
+    cachefs-ctl could not have reached it. The socket is bound and reached through a
+    descriptor of its directory; made again too when it is removed."""
+    cache = env.tmp / ("c" * 100) / "cache"
+    assert len(os.fsencode(str(cache / "control.sock"))) > 108
+    res = env.mount("--mode", "write-back", cache=cache)
+    assert res.returncode == 0, res.stderr
+    (env.mnt / "f").write_bytes(b"dirty")
+    stats = run([*CTL, "stats", str(env.mnt), "--json"])
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["dirty_bytes"] > 0
+    (cache / "control.sock").unlink()
+    wait_until(lambda: (cache / "control.sock").exists(), 15, what="control.sock again")
+    res = run([*CACHEFS, "umount", "--flush", str(env.mnt)])
+    assert res.returncode == 0, res.stderr
+    assert (env.backing / "f").read_bytes() == b"dirty"
+    log = (cache / "cachefs.log").read_text(errors="replace")
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def test_a_cache_directory_too_deep_for_sqlite_is_refused_with_a_sentence(env):
+    """SQLite opens no database whose path passes ~500 bytes: such a cache directory was
+    refused as holding a corrupt database that "may have named dirty write-back data",
+    pointing to --discard-dirty."""
+    cache = env.tmp / "/".join(["d" * 200] * 3) / "cache"
+    cache.mkdir(parents=True)
+    res = env.mount(cache=cache)
+    out = assert_sentence(res, "too long a path", "SQLite")
+    assert "corrupt" not in out and "discard" not in out, out
+    assert not any(cache.iterdir())
+    env.assert_nothing_left()
+
+
 def test_two_mounts_of_one_mountpoint_started_together_give_one_mount(env):
     """Both passed the check that nothing is mounted there (it runs long before the mount)
     and stacked two cachefs mounts, the lower one hidden with its cache (an fstab line and

@@ -38,7 +38,7 @@ def test_umount_waits_for_a_daemon_that_cannot_answer(make_mount):
     the daemon by its command line and waits for it to finish. It returned 0 at once, the
     daemon still persisting and holding the cache directory."""
     import os
-    from cachefs.control import CONTROL_XATTR
+    from cachefs.controlpath import CONTROL_XATTR
     m = make_mount("--mode", "write-back", "--max-dirty-age", "600")
     for i in range(200):
         m.path(f"f{i}").write_bytes(os.urandom(20_000))

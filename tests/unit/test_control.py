@@ -90,3 +90,48 @@ async def test_a_control_socket_removed_behind_the_daemon_is_made_again(tmp_path
                 await trio.sleep(0.02)
         assert await _ask(path, "stats") == {"ok": True, "fine": 1}
         nursery.cancel_scope.cancel()
+
+
+async def test_the_control_socket_path_never_names_a_socket_that_refuses(tmp_path, monkeypatch):
+    """The socket was bound at its path and listened a moment later: a cachefs-ctl
+    connecting in between (while it is made again, the suite under load) was refused
+    (ECONNREFUSED). It is made under another name and renamed into place once it listens:
+    whenever the path names a socket, it takes connections. Checked at the one step between
+    the two, the chmod of the new socket."""
+    import os
+
+    from cachefs import control
+    monkeypatch.setattr(control, "SOCKET_CHECK_S", 0.05)
+    path = str(tmp_path / "control.sock")
+    refused = []
+    chmod = os.chmod
+
+    def probing_chmod(target, mode, *args, **kwargs):
+        if os.path.exists(path):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(path)
+                except ConnectionRefusedError:
+                    refused.append(target)
+        return chmod(target, mode, *args, **kwargs)
+
+    async def stats(request, progress):
+        return {"fine": 1}
+
+    monkeypatch.setattr(control.os, "chmod", probing_chmod)
+    server = ControlServer(path, {"stats": stats})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        for _ in range(3):
+            first = os.stat(path).st_ino
+            os.unlink(path)
+            with trio.fail_after(5):
+                while not os.path.exists(path):
+                    await trio.sleep(0.01)
+            assert os.stat(path).st_ino != first
+            assert await _ask(path, "stats") == {"ok": True, "fine": 1}
+        nursery.cancel_scope.cancel()
+    assert refused == []
+    assert not os.path.exists(path)
+    assert os.listdir(tmp_path) == []
+
