@@ -10,7 +10,6 @@ write that may still land would break ordering.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import inspect
 import os
@@ -24,7 +23,6 @@ from .backingpaths import lstat, setxattr, symlink
 from .errors import BackingTimeout
 from .health import COUNTED, BackingHealth
 from .statx import fresh_fstat
-from .libc import libc
 
 ABANDON_KW = ("abandon_on_cancel" if "abandon_on_cancel"
                in inspect.signature(trio.to_thread.run_sync).parameters else "cancellable")
@@ -281,18 +279,6 @@ _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0x8)
 def _small_buffered(direct_fd: int, data: bytes, off: int) -> bool:
     """A write that goes to the page cache (not through the O_DIRECT twin) and is small."""
     return len(data) <= INLINE_WRITE_MAX and (direct_fd < 0 or not aio.aligned(off, len(data)))
-
-
-def fs_type(fd: int) -> int:
-    """statfs f_type of the filesystem holding `fd`."""
-    class StatFs(ctypes.Structure):
-        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
-
-    buf = StatFs()
-    if libc.fstatfs(fd, ctypes.byref(buf)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return buf.f_type
 
 
 def _pwrite_stat(fd: int, direct_fd: int, data: bytes, off: int, fresh: bool = True

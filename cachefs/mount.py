@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import trio
 
 from . import integrity, oplog
 from . import mounttable
-from .backing import LOCAL_FS_TYPES, Backing, fs_type
+from .backing import LOCAL_FS_TYPES, Backing
 from .backingpaths import open_root
 from .cache import Cache
 from .config import EXT_SIZE, Config, dirty_marks, format_size
@@ -42,9 +41,9 @@ from .openmode import FUSE_SUPER_MAGIC, fuse_device
 from .preflight import (cache_capacity, cache_dir_usage, check_paths, lock_cache_dir,
                         lock_mountpoint, memory_warning, prepare_cache_dir, raise_fd_limit,
                         room_warning, volatile_cache_warning)
-from .startup import Progress
+from .startup import USER_MISTAKE, Progress, sd_notify
 from .stats import Stats
-from .statx import mount_id
+from .statx import fs_type, mount_id
 from .store import MetadataStore
 from .verify import Verifier
 from .warm import Warm
@@ -53,24 +52,6 @@ log = logging.getLogger("cachefs")
 
 # ready(None, warnings) once mounted, ready(why) when the mount failed before that.
 Ready = Callable[..., None]
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify) about our state, if it is listening. A NOTIFY_SOCKET that
-    leads nowhere (inherited from a shell started by a unit, a stale one) is said once
-    and ignored: the daemon died of it right after mounting (a helper's hunt)."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            s.sendall(message.encode(errors="surrogateescape"))
-    except OSError as exc:
-        log.warning("NOTIFY_SOCKET %s does not take systemd notifications (%s): ignored",
-                    os.environ.pop("NOTIFY_SOCKET"), exc.strerror or exc)
 
 
 FUSECTL = "/sys/fs/fuse/connections"
@@ -573,9 +554,6 @@ async def _fuse_main() -> bool:
         log.warning("the kernel aborted the FUSE connection; shutting down")
         return False
     return True
-
-
-USER_MISTAKE = "user mistake: "     # how `ready` marks a UserError for the waiting CLI
 
 
 def run(cfg: Config, ready: Ready, progress: Progress | None = None) -> int:

@@ -51,12 +51,12 @@ from dataclasses import dataclass
 import trio
 
 from . import mounttable
-from .backing import ABANDON_KW, fs_type
+from .backing import ABANDON_KW
 from .config import EXT_SIZE
 from .extents import CachedFile
 from .hit import OpenFile
 from .state import CacheState
-from .statx import dio_align
+from .statx import dio_align, fs_type
 
 log = logging.getLogger("cachefs.openmode")
 

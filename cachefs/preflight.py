@@ -20,11 +20,10 @@ import subprocess
 import time
 
 from . import mounttable
-from .backing import fs_type
 from .config import EXT_SIZE, Config, format_size
 from .errors import UserError
 from .room import full_sentence, is_full, with_room
-from .statx import file_id
+from .statx import file_id, fs_type
 
 log = logging.getLogger("cachefs")
 

@@ -14,13 +14,37 @@ or a write-through mount over much write-back data, could never be mounted (a he
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
 import threading
 import time
 from typing import Callable
 
+log = logging.getLogger("cachefs")
+
 PROGRESS = "progress: "      # a line of the ready pipe before the answer
 BEAT_S = 5.0                 # how often a moving phase is reported
 PATIENCE_S = 120.0           # how long the waiters wait after the last report
+USER_MISTAKE = "user mistake: "     # how the ready answer marks a UserError for the CLI
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about our state, if it is listening. A NOTIFY_SOCKET that
+    leads nowhere (inherited from a shell started by a unit, a stale one) is said once
+    and ignored: the daemon died of it right after mounting (a helper's hunt)."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(message.encode(errors="surrogateescape"))
+    except OSError as exc:
+        log.warning("NOTIFY_SOCKET %s does not take systemd notifications (%s): ignored",
+                    os.environ.pop("NOTIFY_SOCKET"), exc.strerror or exc)
 
 
 class Progress:

@@ -127,3 +127,15 @@ def file_id(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+def fs_type(fd: int) -> int:
+    """statfs f_type of the filesystem holding `fd`."""
+    class StatFs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+    buf = StatFs()
+    if libc.fstatfs(fd, ctypes.byref(buf)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return buf.f_type

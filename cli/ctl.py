@@ -11,14 +11,18 @@ import re
 import sys
 import time
 
-import tqdm
-
 from cachefs import mounttable
 from cachefs.config import EXT_SIZE, format_size
 from cachefs.errors import UserError
 
 from . import client
 from .statsview import render
+
+
+def _bar(**kwargs):
+    """A progress bar (tqdm, imported here: `cachefs-ctl stats` starts without it)."""
+    import tqdm
+    return tqdm.tqdm(**kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,7 +177,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
     start = client.request(args.mountpoint, "stats")["stats"]
     bar = None
     if not args.json:
-        bar = tqdm.tqdm(total=start["dirty_bytes"], unit="B", unit_scale=True,
+        bar = _bar(total=start["dirty_bytes"], unit="B", unit_scale=True,
                         unit_divisor=1024, desc="destaging", file=sys.stderr,
                         disable=start["dirty_bytes"] == 0)
     done = [0]
@@ -226,7 +230,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     def on_progress(p: dict) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm.tqdm(total=p["total_bytes"], unit="B", unit_scale=True,
+            bar = _bar(total=p["total_bytes"], unit="B", unit_scale=True,
                             unit_divisor=1024, desc="verifying", file=sys.stderr,
                             disable=args.json or not sys.stderr.isatty())
         bar.total = max(bar.total, p["total_bytes"])
@@ -333,7 +337,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         def on_progress(p: dict) -> None:
             nonlocal bar
             if bar is None:
-                bar = tqdm.tqdm(total=p["total_bytes"], unit="B", unit_scale=True,
+                bar = _bar(total=p["total_bytes"], unit="B", unit_scale=True,
                                 unit_divisor=1024, desc=args.command, file=sys.stderr,
                                 disable=args.json or not sys.stderr.isatty())
             bar.total = p["total_bytes"]

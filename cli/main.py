@@ -13,11 +13,10 @@ import sys
 import time
 
 from cachefs import __version__
-from cachefs import mount as mnt
 from cachefs import mounttable, preflight
 from cachefs.config import format_size
 from cachefs.errors import UserError
-from cachefs.startup import PATIENCE_S, PROGRESS, Progress
+from cachefs.startup import PATIENCE_S, PROGRESS, USER_MISTAKE, Progress, sd_notify
 
 from . import client, unit
 from .options import add_mount_arguments, config_from_args, config_to_argv
@@ -105,8 +104,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
                 print(f"cachefs: warning: {line[len(READY_WARNING):]}", file=sys.stderr)
         return 0
     status = 1
-    if answer.startswith(mnt.USER_MISTAKE):              # the daemon found a user mistake
-        answer = answer[len(mnt.USER_MISTAKE):]
+    if answer.startswith(USER_MISTAKE):              # the daemon found a user mistake
+        answer = answer[len(USER_MISTAKE):]
         status = 2
     libfuse = _libfuse_lines(log_path, log_start)      # e.g. "fuse: unknown option(s)"
     if answer and libfuse:
@@ -185,7 +184,7 @@ def _run_foreground(cfg) -> int:
         if ready_fd >= 0:
             os.write(ready_fd, f"{PROGRESS}{line}\n".encode(errors="surrogateescape"))
 
-    progress = Progress(send, mnt.sd_notify)
+    progress = Progress(send, sd_notify)
 
     def ready(error: str | None, warnings: tuple[str, ...] | list[str] = ()) -> None:
         nonlocal ready_fd
@@ -203,6 +202,7 @@ def _run_foreground(cfg) -> int:
 
     progress.start()
     try:
+        from cachefs import mount as mnt    # the engine: only the daemon loads it
         return mnt.run(cfg, ready, progress)
     except KeyboardInterrupt:
         why = stopped_by[-1] if stopped_by else "SIGINT"
