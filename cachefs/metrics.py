@@ -27,9 +27,6 @@ import socket
 from typing import Callable
 
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
 
 from .config import format_address
 from .errors import UserError
@@ -124,6 +121,10 @@ class StatsCollector:
         self.s = stats
 
     def collect(self):
+        # prometheus_client is imported when a text is first asked for, not by every daemon
+        # start (a tenth of a start's CPU, most mounts never serve metrics).
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
         s = self.s
         names = ["mount", "backing"]
         base = [str(s["mountpoint"]), str(s["backing"])]
@@ -185,6 +186,7 @@ def _buckets(h: dict) -> list[tuple[str, int]]:
 
 def exposition(stats: dict) -> bytes:
     """The exposition text (UTF-8) of one stats snapshot: `Daemon.snapshot()` or its JSON."""
+    from prometheus_client import CollectorRegistry, generate_latest
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats))
     return generate_latest(registry)
