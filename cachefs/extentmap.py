@@ -170,7 +170,7 @@ class ExtentMap:
         """Clean blocks of `mask` no longer match BACKING (a write went around them, BACKING
         changed); dirty blocks stay (they are the newest data)."""
         x.valid &= ~(mask & ~x.dirty)
-        self._changed(cf, x)
+        self._changed(cf, x, data=False)
 
     def unsummed(self, cf: CachedFile, x: Extent, known: bool) -> None:
         """Something outside the engine may have written the extent (a shared writable
@@ -194,18 +194,18 @@ class ExtentMap:
         them), the dirty ones stay, marked bad (reads fail, never destaged)."""
         x.valid &= ~(clean & ~x.dirty)
         x.bad |= dirty & x.dirty
-        self._changed(cf, x)
+        self._changed(cf, x, data=False)
 
     def clean(self, cf: CachedFile, x: Extent, mask: int) -> None:
         """Blocks `mask` are durably in BACKING (a destage pass): no longer dirty."""
         self.dirty.clear(cf, x, mask)
-        self._changed(cf, x)
+        self._changed(cf, x, data=False)
 
     def trim(self, cf: CachedFile, x: Extent, keep: int) -> None:
         """Only blocks `keep` survive a truncation (dirty ones past it are gone too)."""
         self.dirty.clear(cf, x, x.dirty & ~keep)
         x.valid &= keep
-        self._changed(cf, x)
+        self._changed(cf, x)        # (the cache file was cut: made durable with the map)
 
     def remove(self, cf: CachedFile, x: Extent) -> None:
         """Forget an extent, dirty blocks included (truncated, stale, unusable); its SSD
@@ -244,8 +244,13 @@ class ExtentMap:
             _, size, mtime_ns, ctime_ns = cf.identity
             self.store.queue_file(cf.ino, size, mtime_ns, ctime_ns, cf.path, cf.size)
 
-    def _changed(self, cf: CachedFile, x: Extent) -> None:
-        """Mirror an extent's new state and check the invariants it must keep."""
+    def _changed(self, cf: CachedFile, x: Extent, data: bool = True) -> None:
+        """Mirror an extent's new state and check the invariants it must keep. `data`: the
+        map may now claim bytes of the cache file not yet made durable (added, rewritten,
+        summed), so the next commit fdatasyncs the file first; False for changes that only
+        claim less or the same bytes (cleaned by a destage, invalidated, damaged):
+        a file whose data was synced by an earlier commit is not synced again for them (a
+        destaged small file cost a second fdatasync)."""
         if x.dirty & ~x.valid:
             raise InvariantError(f"extent {x.key}: dirty blocks {x.dirty:#x} not all valid "
                                  f"({x.valid:#x})")
@@ -262,7 +267,8 @@ class ExtentMap:
                 self.bad.pop(x.key, None)
         self.store.queue_extent(cf.ino, x.ext, x.valid, x.dirty, x.summed,
                                 x.sums.tobytes() if x.summed else None)
-        self.persister.written(cf.ino)
+        if data:
+            self.persister.written(cf.ino)
         if self.check_all:
             # Checksums on every 4th change (each re-reads the extent; a write path that
             # forgets to retake them is still caught within a few changes).

@@ -507,6 +507,7 @@ class Destager:
 
 
 CHUNK = 1 << 20                 # largest single BACKING write of a destage pass
+AIO_MIN_BYTES = 64 << 10        # a pass of one write up to this size skips AIO
 
 
 def expected_sums(cf: "CachedFile", runs: list[tuple[int, int]]) -> dict[int, int]:
@@ -557,7 +558,9 @@ def _destage_io(fd: int, cfd: int, runs: list[tuple[int, int]], sums: dict[int, 
                                   damaged)
     finally:
         os.close(cfd)
-    direct = aio.open_direct(fd)
+    # One write (a small file, one run of an extent) goes plainly: an O_DIRECT twin and an
+    # AIO round have nothing to overlap it with, and cost a small file's pass a third more.
+    direct = aio.open_direct(fd) if len(items) > 1 or total > AIO_MIN_BYTES else -1
     try:
         aio.pwrite_all(fd, direct, items)
     finally:
