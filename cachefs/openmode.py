@@ -52,7 +52,7 @@ import trio
 
 from . import mounttable
 from .backing import ABANDON_KW
-from .config import EXT_SIZE
+from .config import EXT_SIZE, format_size
 from .extents import CachedFile
 from .hit import OpenFile
 from .state import CacheState
@@ -507,8 +507,25 @@ class OpenModes:
             cf.held = None
             self._s.pool.unprotect(cf.ino)
             self._s.cachefiles.close_idle(cf)
+            self._back_to_size(cf)
             if self._debug:
                 log.debug("inode %d: no passthrough open or mapping left; not held", cf.ino)
+
+    def _back_to_size(self, cf: CachedFile) -> None:
+        """What was appended to a held file stayed in its cache file past --cache-size (the
+        kernel read that file by itself); let go, the pool goes back to its size, its
+        victims evicted as any (it stayed over its size until the next mount: a 16 MiB pool
+        held 55 MiB after a `tail -f` of a growing log, the cache filesystem full)."""
+        s = self._s
+        over = len(s.pool) - s.capacity_exts
+        if over <= 0:
+            return
+        before = s.stats.evictions
+        s.make_room(0)
+        log.info("inode %d is no longer read in passthrough: the pool was %d extents (%s) "
+                 "over the cache size of %s while it was held; %d clean extents evicted",
+                 cf.ino, over, format_size(over * EXT_SIZE),
+                 format_size(s.capacity_exts * EXT_SIZE), s.stats.evictions - before)
 
     async def settle(self) -> None:
         """Let go now, not at the next check, of held files a shared writable mapping may

@@ -805,3 +805,41 @@ def test_a_reused_inode_number_does_not_keep_the_next_file_unevictable(make_moun
     ctl_drop(m)
     s = m.stats()
     assert (s["extents_cached"], s["drop_operator"]) == (0, 2), (numbers, s["extents_cached"])
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_the_pool_returns_to_its_size_once_a_grown_held_file_is_let_go(make_mount, mode):
+    """A file read in passthrough keeps every byte appended to it in its cache file, past
+    --cache-size (the kernel reads that file itself). Once its last passthrough reader
+    closed, the pool stayed over its size until the next mount: a 16 MiB pool held 55 MiB,
+    and the cache filesystem stayed full (a `tail -f` of a growing log). The pool is trimmed
+    back when the file is let go, its own data evicted like any other."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    m = make_mount("--mode", mode, "--cache-size", "2M", "--promote-after", "1")
+    data = os.urandom(MiB)
+    (m.backing / "log").write_bytes(data)
+    cache_fully(m, "log", len(data))
+    r = open_passthrough(m, "log")
+    added = os.urandom(4 * MiB)
+    try:
+        w = os.open(m.path("log"), os.O_WRONLY | os.O_APPEND)
+        try:
+            for i in range(0, len(added), 256 * 1024):
+                os.write(w, added[i:i + 256 * 1024])
+        finally:
+            os.close(w)
+        assert pread_all(r, 5 * MiB) == data + added          # the reader saw it all
+        assert m.stats()["cache_used"] > 4 * MiB               # held past the pool
+    finally:
+        os.close(r)
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 15, what="let go")
+    wait_until(lambda: m.stats()["cache_used"] <= 2 * MiB, 15, what="the pool trimmed")
+    s = m.stats()
+    assert s["evictions"] >= (3 * MiB) // EXT
+    assert read_all(m.path("log")) == data + added
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "log").read_bytes() == data + added
+    assert "over the cache size" in m.logs[-1].read_text()
