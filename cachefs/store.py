@@ -27,7 +27,15 @@ from .journal import DoubtJournal
 
 log = logging.getLogger("cachefs.store")
 
-SCHEMA_VERSION = 4
+# 5: no table changed. Durable state kept in `meta` since schema 4 (times:, ctime:, caps:,
+# birth:, cut:, mapped:, backing_mount) is state an older schema-4 cachefs neither knows nor
+# clears: one that opened this directory left the keys standing while its files changed, and
+# this version trusted them again at its next mount (a helper's hunt: fsynced data taken for
+# an orphan's and discarded, flushed data cut by a stale truncation key, an mtime set back
+# years, a removed capability put back). From 5 on, those versions refuse the directory with
+# their sentence ("written by a newer cachefs"). Any new durable state an older version would
+# not keep right bumps this number again.
+SCHEMA_VERSION = 5
 
 # meta: key/value facts about this cache directory.
 #   backing      real path of the BACKING directory this cache belongs to

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from cachefs.errors import UserError
-from cachefs.store import MetadataStore
+from cachefs.store import SCHEMA_VERSION, MetadataStore
 
 
 def _open(tmp_path, backing="/srv/a"):
@@ -68,7 +68,29 @@ def test_corrupt_database_is_a_sentence(tmp_path):
         _open(tmp_path)
 
 
-def test_schema_2_migrates_to_4_with_pins_and_unknown_checksums(tmp_path):
+def test_a_cache_this_version_writes_is_refused_by_a_schema_4_cachefs(tmp_path):
+    """Schema-4 versions (c5496da .. bb543e0) open a directory of user_version 4 or less and
+    refuse a higher one. This version keeps durable meta keys (birth:, cut:, times:, caps:,
+    ...) that the older of them neither know nor clear: a round trip through one lost
+    fsynced data (a helper's hunt). What this version writes is above 4 for them; a
+    directory of schema 4 (the previous version's, with such keys) is taken as it is."""
+    import sqlite3
+    s = _open(tmp_path)
+    s.queue_meta("birth:7", "123")
+    s.commit(s.take_batch(), durable=True)
+    s.close(clean=True)
+    db = sqlite3.connect(tmp_path / "cachefs.db")
+    assert db.execute("PRAGMA user_version").fetchone()[0] > 4    # what a schema-4 one checks
+    db.execute("PRAGMA user_version=4")                          # as the previous version left it
+    db.commit()
+    db.close()
+    s = _open(tmp_path)
+    assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert s.meta_keys("birth:") == ["birth:7"]
+    s.close(clean=True)
+
+
+def test_schema_2_migrates_to_the_current_one_with_pins_and_unknown_checksums(tmp_path):
     import sqlite3
     db = sqlite3.connect(tmp_path / "cachefs.db")          # a cache directory of schema 2
     db.executescript("""
@@ -84,7 +106,7 @@ def test_schema_2_migrates_to_4_with_pins_and_unknown_checksums(tmp_path):
     """)
     db.close()
     s = _open(tmp_path)
-    assert s._db.execute("PRAGMA user_version").fetchone()[0] == 4
+    assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     # the extent keeps its data; its checksums are unknown (summed 0) until written again
     assert s.load() == ({7: (100, 1, 2, b"a", 100)}, [(7, 0, 1, 0, 0, None)])
     s.queue_extent(7, 0, 1, 0, 1, bytes(64))
