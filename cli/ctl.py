@@ -110,6 +110,17 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rendered(stats: dict, mountpoint: str) -> str:
+    """The table of `stats`; a daemon of an older cachefs (still running after the package
+    was upgraded) lacks counters the table shows: a sentence, not a traceback."""
+    try:
+        return render(stats)
+    except KeyError as exc:
+        raise UserError(f"the daemon of {mountpoint} runs an older cachefs, which does not "
+                        f"report {exc.args[0]!r}: `cachefs-ctl stats --json {mountpoint}` "
+                        "shows what it reports (a remount runs this version).") from None
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.watch is not None and not 0 < args.watch < 86400 * 365:
         raise UserError("--watch needs a positive number of seconds.")
@@ -122,7 +133,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(stats, indent=None if args.watch else 2), flush=True)
         else:
-            print(render(stats), flush=True)
+            print(_rendered(stats, args.mountpoint), flush=True)
         if args.watch is None:
             return 0
         time.sleep(args.watch)
