@@ -156,16 +156,27 @@ class CacheState:
                 self.store.queue_meta(key, None)
         for key, value in self.store.meta_items(CUTS).items():
             self._complete_cut(key, value)
-        self._bind_dirty([cf for cf in self.files.values() if cf.dirty_exts and cf.birth])
-        for key in self.store.meta_keys(UNLINKING):
+        # Files whose last name was going when the daemon stopped are settled first: gone,
+        # their data went with them (a deletion the program asked for, not a drop: it was
+        # logged as an orphan's dirty data discarded, when ext4 had given the number to a
+        # new file, as to each new SQLite rollback journal: a helper's hunt).
+        unlinking = {int(key[len(UNLINKING):]): key for key in self.store.meta_keys(UNLINKING)}
+        self._bind_dirty([cf for cf in self.files.values()
+                          if cf.dirty_exts and cf.birth and cf.ino not in unlinking])
+        for ino, key in unlinking.items():
             self.store.queue_meta(key, None)
-            cf = self.files.get(int(key[len(UNLINKING):]))
-            if cf is not None and not self._survived_unlink(cf):
-                log.warning("BACKING inode %d (last seen as %s) was being unlinked at an "
-                            "unclean stop and is gone; discarding its %d cached extents",
-                            cf.ino, os.fsdecode(cf.path or b"?"), len(cf.extents))
-                self.drop_file(cf)
-                del self.files[cf.ino]
+            cf = self.files.get(ino)
+            if cf is None:
+                continue
+            if self._survived_unlink(cf):
+                if cf.dirty_exts and cf.birth:
+                    self._bind_dirty([cf])
+                continue
+            log.info("BACKING inode %d (last seen as %s) was unlinked through the mount just "
+                     "before an unclean stop: its %d cached extents (%d dirty) went with it",
+                     cf.ino, os.fsdecode(cf.path or b"?"), len(cf.extents), cf.dirty_exts)
+            self.drop_file(cf)
+            del self.files[cf.ino]
         if not clean_stop:
             touched, lost = self.map.repair_holes()
             if touched:

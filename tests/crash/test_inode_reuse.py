@@ -92,3 +92,33 @@ def test_dirty_data_of_a_file_renamed_while_down_reaches_it(make_mount):
     ctl_flush(m)
     assert (m.backing / "d" / "moved").read_bytes() == DIRTY
     assert m.stats()["drops"]["orphan"] == 0
+
+
+def test_a_file_unlinked_just_before_a_crash_is_no_orphan(make_mount):
+    """A program that makes, fsyncs and unlinks a file again and again under one name (a
+    SQLite rollback journal): killed right after an unlink, the unlinked file's dirty data
+    was logged as an orphan's discarded, `drops.orphan` counted it, and the operator read
+    lost write-back data into it (a helper's hunt). It went with the unlink the program
+    asked for: one INFO line, no drop."""
+    for attempt in range(3):
+        m = make_mount("--mode", "write-back", "--cache-size", "32M", name=f"r{attempt}")
+        for _ in range(50):
+            fd = os.open(m.path("j"), os.O_CREAT | os.O_WRONLY, 0o644)
+            os.write(fd, b"x" * 100_000)
+            os.fsync(fd)
+            os.close(fd)
+            os.unlink(m.path("j"))
+        fd = os.open(m.path("j"), os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, b"y" * 100)
+        os.close(fd)
+        m.kill()
+        m.start()
+        log = m.logs[-1].read_text()
+        assert "reason: orphan" not in log, log
+        assert m.stats()["drops"]["orphan"] == 0
+        assert m.path("j").read_bytes() in (b"", b"y" * 100)    # not fsynced: either
+        caught = "was unlinked through the mount just before an unclean stop" in log
+        m.stop()
+        if caught:
+            return
+    pytest.fail("no kill landed between an unlink and its commit in 3 tries")
