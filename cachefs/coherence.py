@@ -102,7 +102,14 @@ class Coherence:
             cf.size = max(st.st_size, _dirty_end(cf))
             self._s.persist_identity(cf)
             return False
-        if cf.identity is not None and (cf.extents or cf.fills):
+        if cf.identity is not None and (cf.extents or cf.fills) and cf.recovered:
+            # As for dirty files (_conflict): after an unclean stop, cachefs's own writes
+            # since the last commit moved BACKING's identity too (they were all called
+            # outside changes, reason coherence: a helper's hunt).
+            self._drop_stale(cf, st, f"changed since the last commit before an unclean stop "
+                             f"(cachefs's own writes then, or another's: size, mtime, ctime "
+                             f"{cf.identity[1:]} -> {ident[1:]})", reason="recovery")
+        elif cf.identity is not None and (cf.extents or cf.fills):
             self._drop_stale(cf, st, f"changed behind the cache (size, mtime, ctime "
                              f"{cf.identity[1:]} -> {ident[1:]})")
         cf.identity = ident
@@ -123,13 +130,18 @@ class Coherence:
                 self._drop_stale(cf, st, "is another file now (another birth time)")
         cf.birth = birth
 
-    def _drop_stale(self, cf: CachedFile, st: os.stat_result, why: str) -> None:
-        """The cached data of `cf` may be older than BACKING's file (`why`): it goes."""
-        self.stats.stale_files += 1
-        self.stats.drop_coherence += len(cf.extents)
+    def _drop_stale(self, cf: CachedFile, st: os.stat_result, why: str,
+                    reason: str = "coherence") -> None:
+        """The cached data of `cf` may be older than BACKING's file (`why`): it goes;
+        `reason` recovery: found so after an unclean stop (not counted as stale)."""
+        if reason == "recovery":
+            self.stats.drop_recovery += len(cf.extents)
+        else:
+            self.stats.stale_files += 1
+            self.stats.drop_coherence += len(cf.extents)
         in_place = cf.held is not None and cf.held.current and not cf.doomed
-        log.info("BACKING inode %d %s; dropping %d cached extents (reason: coherence)%s",
-                 cf.ino, why, len(cf.extents),
+        log.info("BACKING inode %d %s; dropping %d cached extents (reason: %s)%s",
+                 cf.ino, why, len(cf.extents), reason,
                  "; the kernel reads its cache file in passthrough: read again from "
                  "BACKING before the next open" if in_place else "")
         if in_place:
