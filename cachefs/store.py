@@ -158,6 +158,9 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 def _ident(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the database file, None if it is gone. Not statx.file_id, which
+    takes any error for "nothing there": a stat failing with EIO on a failing SSD must fail
+    the commit (retried), not pass for a database removed and be written again."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
