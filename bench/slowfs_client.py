@@ -141,7 +141,8 @@ def mounted_slowfs(source: str | os.PathLike, mnt: str | os.PathLike, *,
 
     Args:
         params: model parameters / faults, as for ``set`` (e.g. ``latency_ms=20``).
-        log_path: daemon output file (default: a temporary file, kept for inspection).
+        log_path: daemon output file (default: a temporary file, removed after the block unless
+            the block raised or the daemon could not be mounted).
 
     Yields:
         a `Mounted` (source, mnt, proc, log_path, and stats/set/reset shortcuts).
@@ -150,7 +151,8 @@ def mounted_slowfs(source: str | os.PathLike, mnt: str | os.PathLike, *,
         MountError: the daemon failed or was not ready in time (the log tail is included).
     """
     source, mnt = os.fspath(source), os.fspath(mnt)
-    if log_path is None:
+    own_log = log_path is None
+    if own_log:
         fd, log_path = tempfile.mkstemp(prefix="slowfs-", suffix=".log")
         os.close(fd)
     cmd = [sys.executable, SLOWFS, "mount", "-f"]
@@ -168,5 +170,10 @@ def mounted_slowfs(source: str | os.PathLike, mnt: str | os.PathLike, *,
             with open(log_path, errors="replace") as f:
                 raise MountError(f"{exc}\n--- daemon log ---\n{f.read()[-4000:]}") from None
         yield Mounted(source, mnt, proc, log_path)
+    except BaseException:
+        own_log = False                 # a failed block keeps its log for inspection
+        raise
     finally:
         unmount(mnt, proc)
+        if own_log:
+            os.unlink(log_path)

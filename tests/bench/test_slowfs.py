@@ -62,7 +62,7 @@ def test_bytes_and_counters(tmp_path):
     src, mnt = make_dirs(tmp_path)
     data = os.urandom(MiB)
     (src / "f").write_bytes(data)
-    with mounted_slowfs(src, mnt, **FAST) as m:
+    with mounted_slowfs(src, mnt, log_path=str(tmp_path / "slowfs.log"), **FAST) as m:
         assert (mnt / "f").read_bytes() == data
         m.reset()
         assert m.stats()["read_ops"] == 0
