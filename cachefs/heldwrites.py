@@ -24,7 +24,7 @@ from .config import BLK_SIZE, EXT_SIZE
 from .extents import (BLK_SHIFT, BLKS_PER_EXT, EXT_SHIFT, CachedFile, covered_mask, popcount,
                       runs)
 from .hit import OpenFile
-from .room import NO_SPACE
+from .room import MIN_FREE_FRACTION, NO_SPACE
 from .state import MAPPED
 
 log = logging.getLogger("cachefs.writepath")
@@ -50,7 +50,7 @@ class HeldWrites:
         cf = of.cfile
         end = off + len(data)
         await self._wait_punched(cf, min(off, cf.size), end)
-        await self._reserve_held(cf, min(off, cf.size), end)
+        await self._reserve_held(cf, min(off, cf.size), end)    # (up to its limit, if any)
         old_size = cf.size
         cf.clobber(off >> EXT_SHIFT, (end - 1) >> EXT_SHIFT)
         cf.writes_inflight += 1
@@ -77,28 +77,75 @@ class HeldWrites:
             await self.persister.persist(durable=True)
         return written
 
-    async def _reserve_held(self, cf: CachedFile, off: int, end: int) -> None:
+    async def _reserve_held(self, cf: CachedFile, off: int, end: int) -> int:
         """Room in a held file's cache file for [off, end), allocated before anything else
         changes (fallocate, the size kept): the kernel reads that file by itself, so a write
         it cannot take would leave passthrough readers stale bytes (and in write-back it
-        held the only copy of dirty data: detaching it lost them). No room even after
-        evicting clean data and releasing its space: ENOSPC for this write, nothing
-        changed, nothing dropped. (A cache filesystem without fallocate: not reserved.)"""
-        if end <= off:
-            return
-        for attempt in (1, 2):
+        held the only copy of dirty data: detaching it lost them). Returns where the room
+        ends: `end`, or the file's limit once its cache file stopped growing (_freeze: the
+        file grew past what the cache may hold for it, or the cache filesystem is full);
+        bytes past the limit are BACKING's alone. No room even within the cache file's own
+        length: ENOSPC for this write, nothing changed, nothing dropped. (A cache
+        filesystem without fallocate: not reserved.)"""
+        h = cf.held
+        if h is not None and h.current and h.limit is None and end > cf.size and \
+                not self._room_to_grow(end - cf.size):
+            self._freeze(cf, "past what the cache may hold for it")
+        if h is not None and h.current and h.limit is not None:
+            end = min(end, h.limit)
+        tries = 0
+        while off < end:
             try:
                 bp.fallocate(self.cachefiles.fd(cf), _FALLOC_FL_KEEP_SIZE, off, end - off)
-                return
+                break
             except OSError as exc:
                 if exc.errno not in NO_SPACE:
-                    return              # EOPNOTSUPP; an SSD error shows in the write itself
+                    break               # EOPNOTSUPP; an SSD error shows in the write itself
                 self._unreserve(cf, off, end)
                 self._s.ssd_failed(exc, "making room in a file in passthrough")
-                if attempt == 2:
+                tries += 1
+                if tries == 2 and h is not None and h.current and h.limit is None and \
+                        end > cf.size:
+                    self._freeze(cf, "the cache filesystem is full")
+                    end = min(end, h.limit)
+                    continue            # the room within its last block is its own
+                if tries >= 2:
                     raise OSError(errno.ENOSPC, "no room on the cache filesystem for a file "
                                   "read in passthrough") from None
             await self.persister.persist(durable=False)     # evicted space is released
+        return end
+
+    def _room_to_grow(self, grow: int) -> bool:
+        """Whether a held file's cache file may take `grow` more bytes: within the pool's
+        size (clean data of other files is evicted for it); past it, while the cache
+        filesystem keeps MIN_FREE_FRACTION free (what the default pool size leaves). A
+        `tail -f` of a log appended to for long filled the cache filesystem, and the
+        appender got ENOSPC. (No tighter bound past the pool's size: a reader in
+        passthrough reads the file only up to where its cache file stops.)"""
+        if self._s.used_bytes() + grow <= self._s.capacity_exts * EXT_SIZE:
+            return True
+        try:
+            sv = os.statvfs(self._s.cfg.cache_dir)
+        except OSError:
+            return True                 # the reservation says
+        return (sv.f_bavail - (grow + sv.f_frsize - 1) // sv.f_frsize) >= \
+            MIN_FREE_FRACTION * sv.f_blocks
+
+    def _freeze(self, cf: CachedFile, why: str) -> None:
+        """The held file's cache file stops growing at the end of the block holding the
+        file's end (the bytes up to there are its own): writes past it go to BACKING alone,
+        no promotion or fill lands past it (CacheState.install), and its blocks there are
+        never valid while it is held. Passthrough opens, which the kernel serves from the
+        cache file, see the file end there until they are reopened; other opens read the
+        rest from BACKING. Once its passthrough opens are gone (or a truncate brings the
+        file back within its cache file: writepath._trim) it is a file cached in part."""
+        h = cf.held
+        h.limit = (cf.size + BLK_SIZE - 1) & ~(BLK_SIZE - 1)
+        self.stats.passthrough_frozen += 1
+        log.warning("inode %d (%s): a file read in passthrough grew %s: its cache file stops "
+                    "at %d bytes; until its passthrough opens are closed they see the file end "
+                    "there (its other opens read the rest from BACKING)", cf.ino,
+                    os.fsdecode(cf.path or b"?"), why, h.limit)
 
     def _unreserve(self, cf: CachedFile, off: int, end: int) -> None:
         """Give back what a reservation of [off, end) holds past the cache file's end: a
@@ -134,6 +181,13 @@ class HeldWrites:
         end = off + len(data)
         if end > cf.size:
             cf.size = end
+        h = cf.held
+        if h is not None and h.current and h.limit is not None and end > h.limit:
+            data = data[:max(0, h.limit - off)]     # past its limit: BACKING's alone
+            end = off + len(data)
+            if not data:
+                self._s.persist_identity(cf)
+                return
         try:
             pwrite_all(self.cachefiles.fd(cf), data, off)
         except OSError as exc:
@@ -162,6 +216,12 @@ class HeldWrites:
         waited for holes being punched in the range. Returns whether a mapping may write the
         new blocks: their map is then to be made durable (a mount after a crash takes what
         the map holds of a mapped file as written)."""
+        h = cf.held
+        if h is not None and h.current and h.limit is not None:
+            end = min(end, h.limit)         # past its limit: BACKING's alone (_freeze)
+            if start >= end:
+                self._s.persist_identity(cf)
+                return False
         lo = (start + BLK_SIZE - 1) & ~(BLK_SIZE - 1)   # the block holding `start` is valid
         parts = spans(lo, end) if lo < end else []
         try:

@@ -91,6 +91,10 @@ class Held:
     epoch: int = 0              # bumped by every O_RDWR open that takes a new baseline
     refreshing: trio.Event | None = None    # its cache file is being read again (refresh)
     refresh_failed: bool = False            # said once (refresh)
+    # Where its cache file stopped growing (block-aligned), or None: the file grew past what
+    # the cache may hold for it (heldwrites._room_to_grow); its bytes from here on are only
+    # BACKING's, and passthrough opens see the file end here until they are reopened.
+    limit: int | None = None
 
 
 @dataclass
@@ -294,10 +298,12 @@ class OpenModes:
     @staticmethod
     def _stale(h: Held) -> bool:
         """Blocks of a held cache file are not valid: BACKING changed behind it
-        (CacheState.stale_in_place), or behind dirty data (Coherence._conflict)."""
+        (CacheState.stale_in_place), or behind dirty data (Coherence._conflict). (Past
+        its `limit` the file is BACKING's alone: no block there is cached.)"""
         cf = h.cf
-        return h.current and cf.held is h and not cf.doomed and cf.size > 0 and \
-            not cf.all_valid(0, cf.size)
+        end = cf.size if h.limit is None else min(cf.size, h.limit)
+        return h.current and cf.held is h and not cf.doomed and end > 0 and \
+            not cf.all_valid(0, end)
 
     async def refresh(self, h: Held) -> None:
         """Before a joined open of a held file whose blocks are not all valid is answered:
@@ -317,16 +323,16 @@ class OpenModes:
         try:
             for _ in range(REFRESH_TRIES):
                 cf = h.cf
-                missing = sum(1 for e in range((cf.size + EXT_SIZE - 1) // EXT_SIZE)
-                              if not cf.all_valid(e * EXT_SIZE,
-                                                  min(cf.size, (e + 1) * EXT_SIZE)))
+                end = cf.size if h.limit is None else min(cf.size, h.limit)
+                missing = sum(1 for e in range((end + EXT_SIZE - 1) // EXT_SIZE)
+                              if not cf.all_valid(e * EXT_SIZE, min(end, (e + 1) * EXT_SIZE)))
                 if missing * EXT_SIZE > REFRESH_MAX_BYTES:
                     why = f"{missing * EXT_SIZE >> 20} MiB to read, over the limit"
                     break
                 if self.refresher is None or cf.path is None:
                     why = "no loader" if self.refresher is None else why
                     break
-                why = await self.refresher(cf.ino, cf.path, cf.size)
+                why = await self.refresher(cf.ino, cf.path, end)
                 if not self._stale(h):
                     self.stats.passthrough_refreshed += 1
                     log.info("inode %d: its cache file, which the kernel reads in passthrough, "

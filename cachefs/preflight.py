@@ -22,12 +22,11 @@ import time
 from . import mounttable
 from .config import EXT_SIZE, Config, format_size
 from .errors import UserError
-from .room import full_sentence, is_full, with_room
+from .room import MIN_FREE_FRACTION, full_sentence, is_full, with_room
 from .statx import file_id, fs_type
 
 log = logging.getLogger("cachefs")
 
-MIN_FREE_FRACTION = 0.10
 LOCK_WAIT_S = 60.0          # how long a mount waits for an unmounted cachefs to save its state
 DEAD_CHECK_S = 2.0          # how long a mount's daemon may take to answer a statfs
 

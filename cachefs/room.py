@@ -19,6 +19,7 @@ log = logging.getLogger("cachefs")
 RESERVE_BYTES = 8 << 20
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 MIN_FREE_TO_OPEN = 1 << 20      # less free than this: a failed open is taken for no room
+MIN_FREE_FRACTION = 0.10        # what the default pool size leaves free, and held files too
 
 
 def is_full(exc: Exception) -> bool:

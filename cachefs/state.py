@@ -452,7 +452,9 @@ class CacheState:
         cf.clobber(0, 1 << 62)      # promotions in flight read the old bytes
         if not cf.extents:
             self.store.queue_drop_file(cf.ino)
-        if size < cf.size:          # its readers see the new end at once (the blocks past
+        h = cf.held
+        top = cf.size if h.limit is None else min(cf.size, h.limit)     # its cache file's end
+        if size < top:              # its readers see the new end at once (the blocks past
             try:                    # it are gone from the map: the stored identity is
                 self.cachefiles.truncate(cf, size)      # the old one until a commit)
             except OSError:
@@ -539,6 +541,15 @@ class CacheState:
         key = (cf.ino, e)
         if not chunk:                   # past BACKING's end (read ahead of a stream's end)
             return False
+        base = e << EXT_SHIFT
+        h = cf.held
+        if h is not None and h.limit is not None and base + len(chunk) > h.limit:
+            # The held cache file stopped growing there: the kernel reads it to its end, and
+            # bytes past it would leave a hole of zeros before them (heldwrites._freeze).
+            chunk = chunk[:max(0, h.limit - base)]
+            if not chunk:
+                self.stats.promotions_dropped += 1
+                return False
         if (clobbered or self.files.get(cf.ino) is not cf
                 or self.persister.punching(key) or self.ssd_full()):
             self.stats.promotions_dropped += 1
@@ -549,7 +560,6 @@ class CacheState:
             return False
         valid = block_mask(0, len(chunk))
         fill = valid & ~x.valid if x is not None else valid   # valid blocks are as new or newer
-        base = e << EXT_SHIFT
         if len(chunk) & (BLK_SIZE - 1):
             # BACKING ended inside this block: the rest of it is zeros, in the cache file too
             # (it may still hold bytes of an evicted extent whose hole is not punched yet).

@@ -55,6 +55,8 @@ COUNTERS = (
                                            # passthrough + direct I/O (reads/writes reach us)
     "passthrough_failed",                  # the kernel refused a cache file as backing file
     "passthrough_detached",                # held cache files unlinked rather than emptied
+    "passthrough_frozen",                  # held cache files that stopped growing: the file
+                                           # grew past what the cache may hold for it
     "passthrough_refreshed",               # held cache files read again from BACKING after
                                            # it changed behind them (before an open)
     "passthrough_syncs",                   # held files a shared mapping may have written:

@@ -109,7 +109,10 @@ class WritePath(HeldWrites, Allocations):
             if cf.held is not None and not reserved:
                 # Room in the cache file the kernel reads first (ENOSPC: nothing changed).
                 start = min(off, cf.size)
-                await self._reserve_held(cf, start, end)
+                if await self._reserve_held(cf, start, end) < end:
+                    # Its cache file stopped growing (heldwrites._freeze): BACKING takes it.
+                    self._unreserve(cf, start, end)
+                    return await self._write_around(of, off, data)
                 reserved.append(start)
                 continue
             low = first if cf.held is None else min(first, cf.size >> EXT_SHIFT)   # _fill_gap
@@ -164,6 +167,12 @@ class WritePath(HeldWrites, Allocations):
             if missing and self._partial_gaps(cf, off, end):
                 continue                # making room evicted a block this write fills
             break
+        h = cf.held
+        if h is not None and h.current and h.limit is not None and end > h.limit:
+            # Its cache file stopped growing while this write waited (another write froze
+            # it): no block past the limit may turn valid, or a later write there, which
+            # goes around the cache, would be overwritten by this one's destage.
+            return await self._write_around(of, off, data)
         grew = False
         try:
             if cf.held is not None and off > cf.size:
@@ -484,6 +493,11 @@ class WritePath(HeldWrites, Allocations):
                 self._s.map.trim(cf, x, block_mask(0, keep_below - base))
         if not cut_file:
             return
+        h = cf.held
+        if h is not None and h.current and h.limit is not None:
+            if size > h.limit:
+                return      # its cache file ends before (past its limit the file is BACKING's)
+            h.limit = None  # the cache file holds the whole file again (zeros past its end)
         try:
             self.cachefiles.truncate(cf, size)
         except FileNotFoundError:

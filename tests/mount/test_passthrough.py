@@ -832,6 +832,7 @@ def test_the_pool_returns_to_its_size_once_a_grown_held_file_is_let_go(make_moun
             os.close(w)
         assert pread_all(r, 5 * MiB) == data + added          # the reader saw it all
         assert m.stats()["cache_used"] > 4 * MiB               # held past the pool
+        assert m.stats()["passthrough_frozen"] == 0            # the filesystem has room
     finally:
         os.close(r)
     wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 15, what="let go")
@@ -843,3 +844,165 @@ def test_the_pool_returns_to_its_size_once_a_grown_held_file_is_let_go(make_moun
         ctl_flush(m)
     assert (m.backing / "log").read_bytes() == data + added
     assert "over the cache size" in m.logs[-1].read_text()
+
+
+def _append(fd: int, data: bytes, chunk: int = 256 * 1024) -> None:
+    for i in range(0, len(data), chunk):
+        assert os.write(fd, data[i:i + chunk]) == len(data[i:i + chunk])
+
+
+def _reader_sees_a_prefix(r: int, want: bytes, at_least: int) -> int:
+    """What a passthrough reader reads is the file's first bytes (never zeros or other
+    bytes past where its cache file stopped), at least `at_least` of them; how many."""
+    seen = pread_all(r, len(want))
+    assert len(seen) >= at_least, (len(seen), at_least)
+    assert seen == want[:len(seen)]
+    return len(seen)
+
+
+def _held_on_a_small_cache(make_mount, make_tmpfs, mode: str):
+    """A mount whose cache filesystem is a 64 MiB tmpfs (a 40 MiB pool), and BACKING's `f`
+    (1 MiB) cached whole and opened in passthrough: (mount, cache fs, bytes, reader fd)."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    cache = make_tmpfs("64M")
+    m = make_mount("--mode", mode, "--cache-size", "40M", "--promote-after", "1",
+                   "--cache-dir", str(cache / "c"))
+    want = bytearray(os.urandom(MiB))
+    (m.backing / "f").write_bytes(want)
+    cache_fully(m, "f", len(want))
+    return m, cache, want, open_passthrough(m, "f")
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_held_file_stops_growing_before_the_cache_filesystem_fills(make_mount, make_tmpfs,
+                                                                      mode):
+    """A file read in passthrough kept every byte appended to it in its cache file, without
+    bound: a `tail -f` of a log appended to for long filled the cache filesystem, and the
+    appender then got ENOSPC (a helper's test: after 139 MB with a 32 MiB pool). Now its
+    cache file stops growing while the filesystem still has a tenth of it free: the
+    appender goes on (BACKING takes the rest), the passthrough reader sees the file up to
+    there, other opens and the reader's next open see all of it. A truncate back within the
+    cache file makes it whole again, and it grows again."""
+    m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, mode)
+    try:
+        w = os.open(m.path("f"), os.O_WRONLY | os.O_APPEND)
+        try:
+            added = os.urandom(72 * MiB)
+            _append(w, added)               # no ENOSPC
+            want += added
+            sv = os.statvfs(cache)
+            assert sv.f_bavail >= 0.09 * sv.f_blocks, (sv.f_bavail, sv.f_blocks)
+            assert m.stats()["passthrough_frozen"] == 1
+            seen = _reader_sees_a_prefix(r, want, 30 * MiB)
+            assert seen < len(want)
+            # Another open (joined: served by the daemon) reads all of it, BACKING's part too.
+            assert read_all(m.path("f")) == want
+            os.ftruncate(w, MiB // 2)
+            del want[MiB // 2:]
+            more = os.urandom(MiB)
+            _append(w, more)
+            want += more
+            assert pread_all(r, len(want)) == want
+            assert m.stats()["passthrough_frozen"] == 1
+            assert read_all(m.path("f")) == want
+        finally:
+            os.close(w)
+    finally:
+        os.close(r)
+    wait_until(lambda: m.stats()["passthrough_held_files"] == 0, 15, what="let go")
+    assert read_all(m.path("f")) == want
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == want
+    m.restart()
+    assert read_all(m.path("f")) == want
+    assert "stops at" in m.logs[0].read_text()
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_held_file_on_a_full_cache_filesystem_stops_growing(make_mount, make_tmpfs, mode):
+    """Where the cache filesystem is full before the held file reached its bound (another
+    program filled it), its cache file stops growing there too: its writer never gets
+    ENOSPC (it did, nothing written)."""
+    m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, mode)
+    try:
+        w = os.open(m.path("f"), os.O_WRONLY | os.O_APPEND)
+        try:
+            with open(cache / "filler", "wb") as f:
+                try:
+                    while True:
+                        f.write(bytes(MiB))
+                        f.flush()
+                except OSError:
+                    pass
+            more = os.urandom(8 * MiB)
+            _append(w, more)
+            want += more
+            assert m.stats()["passthrough_frozen"] == 1
+            _reader_sees_a_prefix(r, want, MiB)
+            assert read_all(m.path("f")) == want
+        finally:
+            os.close(w)
+    finally:
+        os.close(r)
+        (cache / "filler").unlink(missing_ok=True)
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == want
+    assert read_all(m.path("f")) == want
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_writers_across_the_limit_of_a_held_file_then_kill9(make_mount, make_tmpfs, mode):
+    """Two writers at random places of a held file grown past what its cache filesystem can
+    hold, on both sides of where its cache file stopped growing (before it the blocks are
+    the cache's, after it BACKING's alone), a passthrough reader open throughout; then
+    fsync, kill -9 and a remount: every byte is the last one written."""
+    import random
+    import threading
+    m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, mode)
+    size = 72 * MiB
+    errors = []
+    try:
+        w0 = os.open(m.path("f"), os.O_RDWR)
+        os.ftruncate(w0, size)                  # past what the filesystem has: it stops
+        want += bytes(size - len(want))
+
+        def writer(seed: int) -> None:
+            rng = random.Random(seed)
+            fd = os.open(m.path("f"), os.O_WRONLY)
+            try:
+                for _ in range(300):
+                    # near the limit (1 MiB) or anywhere; each writer its own 32 KiB slots
+                    span = 4 * MiB if rng.random() < 0.5 else size
+                    slot = rng.randrange(span // (32 * 1024) // 2) * 2 + seed
+                    off = slot * 32 * 1024 + rng.randrange(0, 28 * 1024)
+                    data = os.urandom(rng.randrange(1, 4 * 1024))
+                    assert os.pwrite(fd, data, off) == len(data)
+                    want[off:off + len(data)] = data
+                os.fsync(fd)
+            except Exception as exc:                    # noqa: BLE001 (reported below)
+                errors.append(exc)
+            finally:
+                os.close(fd)
+
+        threads = [threading.Thread(target=writer, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert m.stats()["passthrough_frozen"] == 1
+        _reader_sees_a_prefix(r, want, MiB)
+        assert read_all(m.path("f")) == want
+        os.close(w0)
+    finally:
+        os.close(r)
+    m.kill()
+    m.start()
+    assert read_all(m.path("f")) == want
+    if mode == "write-back":
+        ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == want
