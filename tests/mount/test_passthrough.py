@@ -862,14 +862,15 @@ def _reader_sees_a_prefix(r: int, want: bytes, at_least: int) -> int:
 
 def _held_on_a_small_cache(make_mount, make_tmpfs, mode: str):
     """A mount whose cache filesystem is a 64 MiB tmpfs (a 40 MiB pool), and BACKING's `f`
-    (1 MiB) cached whole and opened in passthrough: (mount, cache fs, bytes, reader fd)."""
+    (1 MiB and 1,000 bytes: its end inside a block) cached whole and opened in passthrough:
+    (mount, cache fs, bytes, reader fd)."""
     reason = _available()
     if reason:
         pytest.skip(reason)
     cache = make_tmpfs("64M")
     m = make_mount("--mode", mode, "--cache-size", "40M", "--promote-after", "1",
                    "--cache-dir", str(cache / "c"))
-    want = bytearray(os.urandom(MiB))
+    want = bytearray(os.urandom(MiB + 1000))
     (m.backing / "f").write_bytes(want)
     cache_fully(m, "f", len(want))
     return m, cache, want, open_passthrough(m, "f")
