@@ -16,7 +16,9 @@ def passthrough_summary(s: dict) -> str:
     return (f"on; {s['passthrough_open_handles']} opens of {s['passthrough_open_files']} "
             f"files now, {s['passthrough_held_files']} files held "
             f"({format_size(s['passthrough_held_bytes'])}); {s['passthrough_opens']} "
-            f"passthrough and {s['passthrough_joined']} joined opens since mount")
+            f"passthrough and {s['passthrough_joined']} joined opens since mount"
+            + (f"; {s['passthrough_frozen']} grown past the room for them (their passthrough "
+               "readers see them end early)" if s.get("passthrough_frozen") else ""))
 
 
 def _uptime(seconds: float) -> str:

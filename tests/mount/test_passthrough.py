@@ -896,6 +896,9 @@ def test_a_held_file_stops_growing_before_the_cache_filesystem_fills(make_mount,
             sv = os.statvfs(cache)
             assert sv.f_bavail >= 0.09 * sv.f_blocks, (sv.f_bavail, sv.f_blocks)
             assert m.stats()["passthrough_frozen"] == 1
+            out = subprocess.run([*CTL, "stats", str(m.mnt)], capture_output=True, text=True,
+                                 timeout=60)
+            assert "1 grown past the room for them" in out.stdout, out.stdout
             seen = _reader_sees_a_prefix(r, want, 30 * MiB)
             assert seen < len(want)
             # Another open (joined: served by the daemon) reads all of it, BACKING's part too.
