@@ -903,6 +903,18 @@ def test_a_held_file_stops_growing_before_the_cache_filesystem_fills(make_mount,
             assert seen < len(want)
             # Another open (joined: served by the daemon) reads all of it, BACKING's part too.
             assert read_all(m.path("f")) == want
+            # A shared writable mapping of an O_RDWR open writes the cache file, before the
+            # limit: it reaches BACKING (write-through) or is destaged (write-back).
+            rw = os.open(m.path("f"), os.O_RDWR)
+            try:
+                mapped = mmap.mmap(rw, 2 * EXT, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                patch = os.urandom(3000)
+                mapped[EXT + 100:EXT + 3100] = patch
+                mapped.flush()
+                mapped.close()
+                want[EXT + 100:EXT + 3100] = patch
+            finally:
+                os.close(rw)
             os.ftruncate(w, MiB // 2)
             del want[MiB // 2:]
             more = os.urandom(MiB)
