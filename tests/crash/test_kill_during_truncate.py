@@ -47,19 +47,20 @@ def test_a_kill_during_a_shrinks_backing_call_keeps_a_whole_state(make_mount, tm
                 os.pwrite(fd, b"\x33" * 300000, 0)
             os.fsync(fd)
             assert os.fstat(fd).st_size == SIZE
-            sf.set(hang=1)
+            sf.set(hang_truncate=1)             # only size changes wait: no other call
             t = threading.Thread(target=_truncate, args=(fd,), daemon=True)
             t.start()
             # Killed once BACKING's cut is under way (the shrink is recorded before it): a
-            # fixed second was not always enough on a loaded machine (the old, whole state
-            # came back: the kill came before the record).
+            # fixed second was not always enough on a loaded machine, nor was any hung call
+            # of BACKING's (with all of them held, another one, such as a revalidation, could
+            # hang first): the old, whole state came back, the kill before the record.
             wait_until(lambda: sf.stats()["hung"] >= 1, 30, m.proc, "BACKING's cut")
             time.sleep(0.2)
             assert t.is_alive(), "the truncate did not wait for BACKING"
             m.proc.kill()
             time.sleep(0.2)
         finally:
-            sf.set(hang=0)
+            sf.set(hang_truncate=0)
         m.proc.wait(30)             # (its thread in BACKING's call ends once BACKING answers)
         m.proc = None
         t.join(10)
