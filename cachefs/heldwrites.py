@@ -37,6 +37,14 @@ _digest = xxhash.xxh3_128_digest   # 2^-128 that a changed block looks unchanged
 _NO_DIGEST = bytes(16)
 
 
+def read_by_kernel(cf: CachedFile) -> bool:
+    """The kernel reads `cf`'s cache file by itself (held, and that file not detached since:
+    after a detach the file's new cache file is an ordinary one, which grew without bound
+    through the held paths and ended in ENOSPC for the writer, a helper's hunt)."""
+    h = cf.held
+    return h is not None and h.current
+
+
 class HeldWrites:
     async def _write_through_held(self, of: OpenFile, off: int, data: bytes) -> int:
         """Write-through to a held file: its cache file is read by the kernel directly, so
@@ -87,11 +95,12 @@ class HeldWrites:
         bytes past the limit are BACKING's alone. No room even within the cache file's own
         length: ENOSPC for this write, nothing changed, nothing dropped. (A cache
         filesystem without fallocate: not reserved.)"""
+        if not read_by_kernel(cf):
+            return end              # (let go, or detached meanwhile): an ordinary cache file
         h = cf.held
-        if h is not None and h.current and h.limit is None and end > cf.size and \
-                not self._room_to_grow(end - cf.size):
+        if h.limit is None and end > cf.size and not self._room_to_grow(end - cf.size):
             self._freeze(cf, "past what the cache may hold for it")
-        if h is not None and h.current and h.limit is not None:
+        if h.limit is not None:
             end = min(end, h.limit)
         tries = 0
         while off < end:
@@ -104,8 +113,7 @@ class HeldWrites:
                 self._unreserve(cf, off, end)
                 self._s.ssd_failed(exc, "making room in a file in passthrough")
                 tries += 1
-                if tries == 2 and h is not None and h.current and h.limit is None and \
-                        end > cf.size:
+                if tries == 2 and h.limit is None and end > cf.size:
                     self._freeze(cf, "the cache filesystem is full")
                     end = min(end, h.limit)
                     continue            # the room within its last block is its own

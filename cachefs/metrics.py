@@ -85,6 +85,15 @@ COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
      "(passthrough with direct I/O: reads and writes reach cachefs)."),
     ("passthrough_refused", "passthrough_failed", "Cache files the kernel refused as "
      "backing files."),
+    ("passthrough_detached", "passthrough_detached", "Cache files read by the kernel "
+     "set aside (unlinked, not emptied) when their data had to go."),
+    ("passthrough_frozen", "passthrough_frozen", "Files read in passthrough whose cache "
+     "file stopped growing (grown past the room for them): their passthrough readers see "
+     "them end early."),
+    ("passthrough_refreshed", "passthrough_refreshed", "Cache files read by the kernel read "
+     "again from BACKING after it changed behind them."),
+    ("passthrough_syncs", "passthrough_syncs", "Files a shared writable mapping may have "
+     "written, made dirty or copied to BACKING."),
 )
 GAUGES = (
     ("cache_used_bytes", "cache_used", "Bytes of the SSD cache in use."),

@@ -240,6 +240,7 @@ class OpenModes:
                         h.current = True        # they keep it; this is the new one
                         h.mapped_writable = False
                         h.baseline = h.voided = None
+                        h.limit = None          # the new one is whole (_eligible)
                     h.backing_id = bid
                     return self._passthrough(of, h, PASSTHROUGH, "fully cached, read-only")
                 why = "the kernel refused the cache file"

@@ -24,7 +24,7 @@ from .config import BLK_SIZE, EXT_SIZE
 from .extentmap import spans
 from .extents import BLK_SHIFT, EXT_SHIFT, CachedFile, block_mask, covered_mask, runs
 from .allocate import Allocations
-from .heldwrites import HeldWrites
+from .heldwrites import HeldWrites, read_by_kernel
 from .hit import OpenFile
 from .state import CUTS, CacheState
 from .writeback import Destager
@@ -71,7 +71,7 @@ class WritePath(HeldWrites, Allocations):
     async def _write(self, of: OpenFile, off: int, data: bytes) -> int:
         if self.write_back:
             return await self._write_back(of, off, data)
-        if of.cfile.held is not None:
+        if read_by_kernel(of.cfile):
             return await self._write_through_held(of, off, data)
         return await self._write_through(of, off, data)
 
@@ -106,7 +106,7 @@ class WritePath(HeldWrites, Allocations):
             if cf.shrinking is not None:
                 await cf.shrinking.wait()           # a truncate is committing its new end
                 continue
-            if cf.held is not None and not reserved:
+            if read_by_kernel(cf) and not reserved:
                 # Room in the cache file the kernel reads first (ENOSPC: nothing changed).
                 start = min(off, cf.size)
                 if await self._reserve_held(cf, start, end) < end:
@@ -175,7 +175,7 @@ class WritePath(HeldWrites, Allocations):
             return await self._write_around(of, off, data)
         grew = False
         try:
-            if cf.held is not None and off > cf.size:
+            if read_by_kernel(cf) and off > cf.size:
                 grew = self._fill_gap(cf, cf.size, off)
             self._write_dirty(cf, off, data)
         except OSError as exc:
@@ -253,7 +253,7 @@ class WritePath(HeldWrites, Allocations):
             # the cache file's older bytes over this write. (A commit that fails: EIO.)
             await self.persister.persist(durable=True)
         async with self._s.file_lock(cf):
-            if cf.held is not None:
+            if read_by_kernel(cf):
                 return await self._write_around_held(of, off, data)
             cf.clobber(first, last)
             cf.writes_inflight += 1
@@ -510,8 +510,8 @@ class WritePath(HeldWrites, Allocations):
     async def _truncate_locked(self, cf: CachedFile, size: int, path: bytes, fd: int | None
                                ) -> os.stat_result:
         old_size = cf.size
-        if size > old_size and cf.held is not None:
-            await self._reserve_held(cf, old_size, size)    # ENOSPC: nothing changed
+        if size > old_size and read_by_kernel(cf):
+            await self._reserve_held(cf, old_size, size)    # (up to its limit, if any)
         self._trim(cf, min(size, cf.size), cut_file=False)
         shrinking = None
         if self.write_back and size < cf.size:
@@ -576,7 +576,7 @@ class WritePath(HeldWrites, Allocations):
         if size > old_size and cf.held is not None:
             await self._wait_punched(cf, old_size, size)
         self._trim(cf, size)                   # the cache file as long as the file again
-        if size > old_size and cf.held is not None and self._fill_gap(cf, old_size, size):
+        if size > old_size and read_by_kernel(cf) and self._fill_gap(cf, old_size, size):
             await self.persister.persist(durable=True)
         return st
 

@@ -899,6 +899,11 @@ def test_a_held_file_stops_growing_before_the_cache_filesystem_fills(make_mount,
             out = subprocess.run([*CTL, "stats", str(m.mnt)], capture_output=True, text=True,
                                  timeout=60)
             assert "1 grown past the room for them" in out.stdout, out.stdout
+            out = subprocess.run([*CTL, "metrics", str(m.mnt)], capture_output=True,
+                                 text=True, timeout=60)
+            assert [ln for ln in out.stdout.splitlines()
+                    if ln.startswith("cachefs_passthrough_frozen_total{") and
+                    ln.endswith(" 1.0")], out.stdout
             seen = _reader_sees_a_prefix(r, want, 30 * MiB)
             assert seen < len(want)
             # Another open (joined: served by the daemon) reads all of it, BACKING's part too.
@@ -1022,3 +1027,73 @@ def test_writers_across_the_limit_of_a_held_file_then_kill9(make_mount, make_tmp
     if mode == "write-back":
         ctl_flush(m)
     assert (m.backing / "f").read_bytes() == want
+
+
+def test_a_detached_held_file_grows_as_an_ordinary_one(make_mount, make_tmpfs):
+    """A held file's cache file is detached (set aside for the kernel's opens, a new one
+    made) when BACKING's file changes behind it while it is unlinked. Its writes went on
+    through the held paths into the new cache file, every byte kept past the pool with no
+    bound, until the cache filesystem was full and the writer got ENOSPC (a helper's hunt:
+    after 23 MiB with a 12 MiB pool). Now the new cache file is an ordinary one."""
+    m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, "write-through")
+    w = os.open(m.path("f"), os.O_RDWR)
+    try:
+        os.unlink(m.path("f"))
+        fds = [p for p in Path(f"/proc/{m.proc.pid}/fd").iterdir()
+               if os.readlink(p) == f"{m.backing / 'f'} (deleted)"]
+        time.sleep(1.1)                                 # another mtime
+        with open(fds[0], "r+b") as f:                  # someone holding BACKING's file
+            f.seek(10)
+            f.write(b"OUTSIDE")
+        want[10:17] = b"OUTSIDE"
+        time.sleep(1.1)
+        os.fstat(w)                                     # seen at the revalidation
+        wait_until(lambda: m.stats()["passthrough_detached"] == 1, 15, what="the detach")
+        for _ in range(72):
+            data = os.urandom(MiB)
+            assert os.pwrite(w, data, len(want)) == len(data)      # no ENOSPC
+            want += data
+        sv = os.statvfs(cache)
+        assert sv.f_bavail >= 0.09 * sv.f_blocks, (sv.f_bavail, sv.f_blocks)
+        assert pread_all(w, len(want)) == want
+    finally:
+        os.close(w)
+        os.close(r)
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_frozen_held_file_is_loaded_only_up_to_where_its_cache_file_stops(make_mount,
+                                                                            make_tmpfs, mode):
+    """A held file whose cache file stopped growing, changed behind the mount within it: the
+    next open read BACKING's whole file again before it was answered (200 MiB for 1 MiB to
+    read; every install past the limit refused: a helper's hunt), and `cachefs-ctl
+    prefetch` of it said it had been written meanwhile. Now only the part before the limit
+    is read, and prefetch says why the rest stays on BACKING."""
+    m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, mode)
+    try:
+        w = os.open(m.path("f"), os.O_WRONLY)
+        try:
+            os.ftruncate(w, 200 * MiB)                  # past the room: frozen at once
+            want += bytes(200 * MiB - len(want))
+        finally:
+            os.close(w)
+        assert m.stats()["passthrough_frozen"] == 1
+        time.sleep(1.1)                                 # another mtime
+        with open(m.backing / "f", "r+b") as f:          # a change behind the mount
+            f.seek(10)
+            f.write(b"OUTSIDE")
+        want[10:17] = b"OUTSIDE"
+        before = m.stats()["backing_read_bytes"]
+        fd = os.open(m.path("f"), os.O_RDONLY)           # joined: refreshed first
+        try:
+            assert os.pread(fd, 2 * MiB, 0) == want[:2 * MiB]
+        finally:
+            os.close(fd)
+        assert m.stats()["backing_read_bytes"] - before < 8 * MiB
+        out = subprocess.run([*CTL, "prefetch", str(m.path("f"))], capture_output=True,
+                             text=True, timeout=60)
+        assert "read in passthrough and grown past the room for it" in out.stdout + out.stderr
+        assert m.stats()["backing_read_bytes"] - before < 8 * MiB
+        assert read_all(m.path("f")) == want
+    finally:
+        os.close(r)
