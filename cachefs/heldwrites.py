@@ -125,13 +125,17 @@ class HeldWrites:
 
     def _room_to_grow(self, grow: int) -> bool:
         """Whether a held file's cache file may take `grow` more bytes: within the pool's
-        size (clean data of other files is evicted for it); past it, while the cache
-        filesystem keeps MIN_FREE_FRACTION free (what the default pool size leaves). A
+        size, counting the clean data of other files evicted for it (a warm pool is full,
+        and with the default pool size its filesystem is at the floor below: a first version
+        counted only the free slots and stopped a held file at its first append); past it,
+        while the cache filesystem keeps MIN_FREE_FRACTION free. A
         `tail -f` of a log appended to for long filled the cache filesystem, and the
         appender got ENOSPC. (No tighter bound past the pool's size: a reader in
         passthrough reads the file only up to where its cache file stops.)"""
-        if self._s.used_bytes() + grow <= self._s.capacity_exts * EXT_SIZE:
-            return True
+        s = self._s
+        need = (grow + EXT_SIZE - 1) // EXT_SIZE
+        if len(s.pool) + need <= s.capacity_exts + s.evictable_exts():
+            return True     # (a full pool is the usual state: its clean data makes room)
         try:
             sv = os.statvfs(self._s.cfg.cache_dir)
         except OSError:
@@ -145,14 +149,16 @@ class HeldWrites:
         no promotion or fill lands past it (CacheState.install), and its blocks there are
         never valid while it is held. Passthrough opens, which the kernel serves from the
         cache file, see the file end there until they are reopened; other opens read the
-        rest from BACKING. Once its passthrough opens are gone (or a truncate brings the
-        file back within its cache file: writepath._trim) it is a file cached in part."""
+        rest from BACKING (their mappings, of the cache file too, end there). Once it is let
+        go (or a truncate brings the file back within its cache file: writepath._trim) it
+        is a file cached in part."""
         h = cf.held
         h.limit = (cf.size + BLK_SIZE - 1) & ~(BLK_SIZE - 1)
         self.stats.passthrough_frozen += 1
         log.warning("inode %d (%s): a file read in passthrough grew %s: its cache file stops "
-                    "at %d bytes; until its passthrough opens are closed they see the file end "
-                    "there (its other opens read the rest from BACKING)", cf.ino,
+                    "at %d bytes; its passthrough readers see the file end there until they "
+                    "reopen it, and while it stays held the mappings of its other opens end "
+                    "there too (their reads get the rest from BACKING)", cf.ino,
                     os.fsdecode(cf.path or b"?"), why, h.limit)
 
     def _unreserve(self, cf: CachedFile, off: int, end: int) -> None:

@@ -649,6 +649,13 @@ class CacheState:
                 f"its {format_size(copied)} of data written again under its name"
                 if err is None else f"writing it again failed ({err}); its blocks go with it")
 
+    def evictable_exts(self) -> int:
+        """How many extents make_room could evict now: the clean ones of files not protected
+        (pinned, prefetched, held by passthrough)."""
+        protected = sum(len(cf.extents) - cf.dirty_exts for ino in self.pool.protected
+                        if (cf := self.files.get(ino)) is not None)
+        return len(self.pool) - len(self.dirty) - protected
+
     def make_room(self, n: int = 1) -> bool:
         """Evict clean extents until `n` more fit; False if dirty data fills the pool."""
         while len(self.pool) + n > self.capacity_exts:

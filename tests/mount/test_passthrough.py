@@ -1097,3 +1097,52 @@ def test_a_frozen_held_file_is_loaded_only_up_to_where_its_cache_file_stops(make
         assert read_all(m.path("f")) == want
     finally:
         os.close(r)
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_a_held_file_grows_in_a_full_pool_by_evicting_other_data(make_mount, make_tmpfs, mode):
+    """A warm pool is full, and with the default pool size its filesystem is at the tenth
+    kept free: the growth bound's first version counted only the pool's free slots, so a
+    held file stopped growing at its first append although clean data of other files could
+    make room (as it did before the bound). It evicts that data and grows."""
+    reason = _available()
+    if reason:
+        pytest.skip(reason)
+    cache = make_tmpfs("64M")
+    m = make_mount("--mode", mode, "--promote-after", "1", "--sequential-cutoff", "1G",
+                   "--cache-dir", str(cache / "c"))
+    pool = m.stats()["cache_size"]
+    for i in range(pool // (8 * MiB) + 1):                  # the pool full of clean data
+        (m.backing / f"other{i}").write_bytes(os.urandom(8 * MiB))
+        read_all(m.path(f"other{i}"), direct=True)
+        read_all(m.path(f"other{i}"), direct=True)
+    def full() -> bool:                     # (the pool may shrink: the filesystem fills)
+        s = m.stats()
+        return s["cache_used"] >= s["cache_size"] - 2 * MiB
+    wait_until(full, 15, what="a full pool")
+    want = bytearray(os.urandom(MiB))
+    (m.backing / "log").write_bytes(want)
+    deadline = time.monotonic() + 20
+    while True:         # cached whole (other data evicted for it), then opened passthrough
+        read_all(m.path("log"), direct=True)
+        before = m.stats()["passthrough_opens"]
+        r = os.open(m.path("log"), os.O_RDONLY)
+        if m.stats()["passthrough_opens"] == before + 1:
+            break
+        os.close(r)
+        assert time.monotonic() < deadline, "the log never went passthrough"
+        time.sleep(0.2)
+    try:
+        w = os.open(m.path("log"), os.O_WRONLY | os.O_APPEND)
+        try:
+            added = os.urandom(8 * MiB)
+            _append(w, added)
+            want += added
+        finally:
+            os.close(w)
+        s = m.stats()
+        assert s["passthrough_frozen"] == 0, s["cache_used"]
+        assert pread_all(r, len(want)) == want                  # the reader saw it all
+    finally:
+        os.close(r)
+    assert read_all(m.path("log")) == want
