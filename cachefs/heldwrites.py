@@ -134,7 +134,8 @@ class HeldWrites:
         passthrough reads the file only up to where its cache file stops.)"""
         s = self._s
         need = (grow + EXT_SIZE - 1) // EXT_SIZE
-        if len(s.pool) + need <= s.capacity_exts + s.evictable_exts():
+        if len(s.pool) + need <= s.capacity_exts or \
+                len(s.pool) + need <= s.capacity_exts + s.evictable_exts():
             return True     # (a full pool is the usual state: its clean data makes room)
         try:
             sv = os.statvfs(self._s.cfg.cache_dir)
