@@ -543,7 +543,7 @@ class CacheState:
             return False
         base = e << EXT_SHIFT
         h = cf.held
-        if h is not None and h.limit is not None and base + len(chunk) > h.limit:
+        if h is not None and h.current and h.limit is not None and base + len(chunk) > h.limit:
             # The held cache file stopped growing there: the kernel reads it to its end, and
             # bytes past it would leave a hole of zeros before them (heldwrites._freeze).
             chunk = chunk[:max(0, h.limit - base)]
