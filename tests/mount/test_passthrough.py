@@ -860,16 +860,20 @@ def _reader_sees_a_prefix(r: int, want: bytes, at_least: int) -> int:
     return len(seen)
 
 
-def _held_on_a_small_cache(make_mount, make_tmpfs, mode: str):
-    """A mount whose cache filesystem is a 64 MiB tmpfs (a 40 MiB pool), and BACKING's `f`
-    (1 MiB and 1,000 bytes: its end inside a block) cached whole and opened in passthrough:
-    (mount, cache fs, bytes, reader fd)."""
+def _on_a_small_cache(make_mount, make_tmpfs, *args: str):
+    """A mount (with `args`) whose cache filesystem is a 64 MiB tmpfs: (mount, cache fs)."""
     reason = _available()
     if reason:
         pytest.skip(reason)
     cache = make_tmpfs("64M")
-    m = make_mount("--mode", mode, "--cache-size", "40M", "--promote-after", "1",
-                   "--cache-dir", str(cache / "c"))
+    return make_mount(*args, "--promote-after", "1", "--cache-dir", str(cache / "c")), cache
+
+
+def _held_on_a_small_cache(make_mount, make_tmpfs, mode: str):
+    """A mount whose cache filesystem is a 64 MiB tmpfs (a 40 MiB pool), and BACKING's `f`
+    (1 MiB and 1,000 bytes: its end inside a block) cached whole and opened in passthrough:
+    (mount, cache fs, bytes, reader fd)."""
+    m, cache = _on_a_small_cache(make_mount, make_tmpfs, "--mode", mode, "--cache-size", "40M")
     want = bytearray(os.urandom(MiB + 1000))
     (m.backing / "f").write_bytes(want)
     cache_fully(m, "f", len(want))
@@ -1105,12 +1109,8 @@ def test_a_held_file_grows_in_a_full_pool_by_evicting_other_data(make_mount, mak
     kept free: the growth bound's first version counted only the pool's free slots, so a
     held file stopped growing at its first append although clean data of other files could
     make room (as it did before the bound). It evicts that data and grows."""
-    reason = _available()
-    if reason:
-        pytest.skip(reason)
-    cache = make_tmpfs("64M")
-    m = make_mount("--mode", mode, "--promote-after", "1", "--sequential-cutoff", "1G",
-                   "--cache-dir", str(cache / "c"))
+    m, _ = _on_a_small_cache(make_mount, make_tmpfs, "--mode", mode, "--sequential-cutoff",
+                             "1G")
     pool = m.stats()["cache_size"]
     for i in range(pool // (8 * MiB) + 1):                  # the pool full of clean data
         (m.backing / f"other{i}").write_bytes(os.urandom(8 * MiB))
