@@ -163,6 +163,12 @@ class CachedFile:
         # old, and are to be invalidated before that open is answered (fs._open_file)
         self.attrs_stale = False
 
+    def held_limit(self) -> int | None:
+        """Where the cache file the kernel reads stopped growing (openmode.Held.limit), or
+        None: not held, detached since, or whole."""
+        h = self.held
+        return h.limit if h is not None and h.current else None
+
     def covers(self, off: int, end: int) -> bool:
         """True if every block of [off, end) is valid; counts the access for eviction."""
         e = off >> EXT_SHIFT

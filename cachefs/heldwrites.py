@@ -196,9 +196,9 @@ class HeldWrites:
         end = off + len(data)
         if end > cf.size:
             cf.size = end
-        h = cf.held
-        if h is not None and h.current and h.limit is not None and end > h.limit:
-            data = data[:max(0, h.limit - off)]     # past its limit: BACKING's alone
+        limit = cf.held_limit()
+        if limit is not None and end > limit:
+            data = data[:max(0, limit - off)]       # past its limit: BACKING's alone
             end = off + len(data)
             if not data:
                 self._s.persist_identity(cf)
@@ -231,9 +231,9 @@ class HeldWrites:
         waited for holes being punched in the range. Returns whether a mapping may write the
         new blocks: their map is then to be made durable (a mount after a crash takes what
         the map holds of a mapped file as written)."""
-        h = cf.held
-        if h is not None and h.current and h.limit is not None:
-            end = min(end, h.limit)         # past its limit: BACKING's alone (_freeze)
+        limit = cf.held_limit()
+        if limit is not None:
+            end = min(end, limit)           # past its limit: BACKING's alone (_freeze)
             if start >= end:
                 self._s.persist_identity(cf)
                 return False

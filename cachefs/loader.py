@@ -150,17 +150,17 @@ class Loader:
             else:                   # drops stale data (and the kernel's pages) if changed
                 cache.attributes_seen(t.ino, st, token)
             cf.path = t.path
-            h = cf.held
-            if h is not None and h.current and h.limit is not None and size > h.limit:
+            limit = cf.held_limit()
+            if limit is not None and size > limit:
                 # Read in passthrough, and its cache file stopped growing there (heldwrites.
                 # _freeze): the rest is BACKING's alone while it is held (a refresh before
                 # an open read all of a large file for nothing, every install refused).
-                job.miss(t, size - h.limit)
+                job.miss(t, size - limit)
                 job.errors.append(f"{self._show(t.rel)}: read in passthrough and grown past "
                                   f"the room for it in the cache; its last "
-                                  f"{format_size(size - h.limit)} stay on BACKING while it "
+                                  f"{format_size(size - limit)} stay on BACKING while it "
                                   "is held")
-                t.size = size = h.limit
+                t.size = size = limit
             runs: list[list[int]] = []
             for e in range(exts(size)):
                 base = e << EXT_SHIFT

@@ -452,8 +452,8 @@ class CacheState:
         cf.clobber(0, 1 << 62)      # promotions in flight read the old bytes
         if not cf.extents:
             self.store.queue_drop_file(cf.ino)
-        h = cf.held
-        top = cf.size if h.limit is None else min(cf.size, h.limit)     # its cache file's end
+        limit = cf.held_limit()
+        top = cf.size if limit is None else min(cf.size, limit)     # its cache file's end
         if size < top:              # its readers see the new end at once (the blocks past
             try:                    # it are gone from the map: the stored identity is
                 self.cachefiles.truncate(cf, size)      # the old one until a commit)
@@ -542,11 +542,11 @@ class CacheState:
         if not chunk:                   # past BACKING's end (read ahead of a stream's end)
             return False
         base = e << EXT_SHIFT
-        h = cf.held
-        if h is not None and h.current and h.limit is not None and base + len(chunk) > h.limit:
+        limit = cf.held_limit()
+        if limit is not None and base + len(chunk) > limit:
             # The held cache file stopped growing there: the kernel reads it to its end, and
             # bytes past it would leave a hole of zeros before them (heldwrites._freeze).
-            chunk = chunk[:max(0, h.limit - base)]
+            chunk = chunk[:max(0, limit - base)]
             if not chunk:
                 self.stats.promotions_dropped += 1
                 return False

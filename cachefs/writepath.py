@@ -167,8 +167,8 @@ class WritePath(HeldWrites, Allocations):
             if missing and self._partial_gaps(cf, off, end):
                 continue                # making room evicted a block this write fills
             break
-        h = cf.held
-        if h is not None and h.current and h.limit is not None and end > h.limit:
+        limit = cf.held_limit()
+        if limit is not None and end > limit:
             # Its cache file stopped growing while this write waited (another write froze
             # it): no block past the limit may turn valid, or a later write there, which
             # goes around the cache, would be overwritten by this one's destage.
@@ -493,11 +493,11 @@ class WritePath(HeldWrites, Allocations):
                 self._s.map.trim(cf, x, block_mask(0, keep_below - base))
         if not cut_file:
             return
-        h = cf.held
-        if h is not None and h.current and h.limit is not None:
-            if size > h.limit:
+        limit = cf.held_limit()
+        if limit is not None:
+            if size > limit:
                 return      # its cache file ends before (past its limit the file is BACKING's)
-            h.limit = None  # the cache file holds the whole file again (zeros past its end)
+            cf.held.limit = None    # the cache file holds the whole file again (zeros past it)
         try:
             self.cachefiles.truncate(cf, size)
         except FileNotFoundError:
