@@ -392,9 +392,11 @@ class Daemon:
     def _check_protection(self) -> None:
         """Each inode the eviction policy protects has one holder per owner: passthrough
         (openmode's held files) and warm (pins, loads). A protection no owner holds would
-        keep its extents in the pool for good (it happened: a reused inode number)."""
+        keep its extents in the pool for good (it happened: a reused inode number). A held
+        file detached is not protected: the kernel no longer reads its cache file."""
         want: dict[int, int] = {}
-        for ino in (*self.cache.modes.held, *self.warm.holders()):
+        held = [ino for ino, h in self.cache.modes.held.items() if h.current]
+        for ino in (*held, *self.warm.holders()):
             want[ino] = want.get(ino, 0) + 1
         have = self.cache.state.pool.protected
         if have != want:

@@ -233,11 +233,12 @@ class OpenModes:
                         # removed temporary file's, in builds) may still be held, its opens
                         # and mappings gone, to be let go: this Held takes its place and its
                         # protection (by number), or that protection would never end.
-                        if of.ino not in self.held:
+                        if of.ino not in self.held or not self.held[of.ino].current:
                             self._s.pool.protect(of.ino)
                         h = cf.held = self.held[of.ino] = Held(cf)
                     elif not h.current:         # mappings of a detached file may remain:
                         h.current = True        # they keep it; this is the new one
+                        self._s.pool.protect(of.ino)
                         h.mapped_writable = False
                         h.baseline = h.voided = None
                         h.limit = None          # the new one is whole (_eligible)
@@ -512,7 +513,8 @@ class OpenModes:
         if self.held.get(cf.ino) is h and not h.opens:
             del self.held[cf.ino]
             cf.held = None
-            self._s.pool.unprotect(cf.ino)
+            if h.current:                   # a detached one's protection ended then
+                self._s.pool.unprotect(cf.ino)
             self._s.cachefiles.close_idle(cf)
             self._back_to_size(cf)
             if self._debug:

@@ -422,6 +422,10 @@ class CacheState:
             # The kernel reads this cache file by itself (passthrough opens, mappings):
             # unlink it rather than empty it; they keep their bytes, no zeros appear.
             cf.held.current = False
+            # Its next cache file is an ordinary one, evicted as any (protected, the new
+            # data of a file written after its detach filled the pool while its old
+            # passthrough opens lasted, and no other file could be cached).
+            self.pool.unprotect(cf.ino)
             self.stats.passthrough_detached += 1
             log.info("inode %d: cache file detached, not emptied (passthrough opens or "
                      "mappings still read it)", cf.ino)

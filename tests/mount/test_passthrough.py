@@ -11,6 +11,7 @@ import hashlib
 import json
 import mmap
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -1059,6 +1060,51 @@ def test_a_detached_held_file_grows_as_an_ordinary_one(make_mount, make_tmpfs):
             want += data
         sv = os.statvfs(cache)
         assert sv.f_bavail >= 0.09 * sv.f_blocks, (sv.f_bavail, sv.f_blocks)
+        assert pread_all(w, len(want)) == want
+    finally:
+        os.close(w)
+        os.close(r)
+
+
+def test_a_detached_held_files_new_data_can_be_evicted(make_mount, make_tmpfs):
+    """A detached held file's passthrough opens read its old cache file; its new cache file
+    is an ordinary one. Its extents stayed protected all the same while those opens lasted:
+    its new data filled the pool, no other file could be cached meanwhile, and `drop`
+    skipped it. Now the new data is evicted and dropped as any other file's. (Reads in
+    random order: the pool fills whatever --sequential-cutoff says.)"""
+    m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, "write-through")
+    w = os.open(m.path("f"), os.O_RDWR)
+    try:
+        os.unlink(m.path("f"))
+        fds = [p for p in Path(f"/proc/{m.proc.pid}/fd").iterdir()
+               if os.readlink(p) == f"{m.backing / 'f'} (deleted)"]
+        time.sleep(1.1)                                 # another mtime
+        with open(fds[0], "r+b") as f:                  # someone holding BACKING's file
+            f.seek(10)
+            f.write(b"OUTSIDE")
+        want[10:17] = b"OUTSIDE"
+        time.sleep(1.1)
+        wait_until(lambda: os.fstat(w) and m.stats()["passthrough_detached"] == 1, 15,
+                   what="the detach")                   # seen at a revalidation
+        for _ in range(48):
+            data = os.urandom(MiB)
+            assert os.pwrite(w, data, len(want)) == len(data)
+            want += data
+        rnd = random.Random(7)
+        offs = list(range(0, len(want), EXT))
+        for _ in range(2):                              # its new data fills the pool
+            rnd.shuffle(offs)
+            for off in offs:
+                assert os.pread(w, EXT, off) == want[off:off + EXT]
+        wait_until(lambda: m.stats()["extents_cached"] * EXT > 36 * MiB, 15,
+                   what="a full pool")
+        g = os.urandom(2 * MiB)
+        (m.backing / "g").write_bytes(g)
+        cache_fully(m, "g", len(g))
+        assert m.stats()["extents_cached"] * EXT <= 40 * MiB
+        ctl_drop(m)
+        s = m.stats()
+        assert (s["extents_cached"], s["drop_skipped_passthrough"]) == (0, 0)
         assert pread_all(w, len(want)) == want
     finally:
         os.close(w)
