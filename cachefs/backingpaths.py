@@ -272,7 +272,16 @@ def mknod(root: int, path: bytes, mode: int, rdev: int, uid: int, gid: int, pare
           umask: int = 0) -> os.stat_result:
     with at(root, path) as (dfd, r), creating_under(umask):
         os.mknod(r, mode, rdev, dir_fd=dfd)
-    return chown_new(root, path, uid, gid, parent)
+    st = chown_new(root, path, uid, gid, parent)
+    special = mode & (stat_mod.S_ISUID | stat_mod.S_ISGID)
+    if special and st.st_mode & special != special and os.geteuid() == 0:
+        # The chown cleared them (as in create): the caller's mknod keeps them (the kernel
+        # took out those the caller may not set before it sent the request).
+        with at(root, path) as (dfd, r):
+            os.chmod(r, stat_mod.S_IMODE(st.st_mode) | special, dir_fd=dfd,
+                     follow_symlinks=False)
+            st = os.stat(r, dir_fd=dfd, follow_symlinks=False)
+    return st
 
 
 def mkdir(root: int, path: bytes, mode: int, uid: int, gid: int, parent: bytes,

@@ -1108,6 +1108,40 @@ def test_create_keeps_setuid_and_setgid_bits(mounted, tmp_path):
     assert "4755 104755" in outs[0] and "2755 102755" in outs[1]
 
 
+def test_mknod_keeps_setuid_and_setgid_bits(mounted, tmp_path):
+    """mknod(2) of regular files and FIFOs with setuid/setgid bits, by root and by another
+    user, in a plain and in a set-group-ID directory, gives the nodes those bits as on
+    BACKING; cachefs's chown of the new node to its creator cleared them (as it did for
+    create, above: xfstests generic/633, vfstest's setgid_create)."""
+    script = ("import os, stat, sys; os.umask(0o022); "
+              "[os.mknod(f'{sys.argv[1]}/{k}{m:o}', t | m) "
+              "for k, t in (('r', stat.S_IFREG), ('p', stat.S_IFIFO)) "
+              "for m in (0o4755, 0o2755, 0o6755, 0o2010, 0o755)]; "
+              "print(sorted(f'{n} {os.stat(sys.argv[1] + \"/\" + n).st_mode:o} "
+              "{os.stat(sys.argv[1] + \"/\" + n).st_gid}' for n in os.listdir(sys.argv[1])))")
+    python = "/usr/bin/python3"                     # one the other user may run
+    if not os.path.exists(python):
+        pytest.skip("no /usr/bin/python3 for the other user")
+    for d in [tmp_path, *tmp_path.parents][:-1]:     # pytest's directories are 0700
+        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
+    outs = []
+    for top in (tmp_path / "plain", mounted.mnt):
+        top.mkdir(exist_ok=True)
+        for who, kw in (("root", {}), ("nobody", dict(user=65534, group=65534,
+                                                       extra_groups=[]))):
+            for setgid_dir in (False, True):
+                d = top / f"{who}{'-sgid' if setgid_dir else ''}"
+                d.mkdir()
+                os.chown(d, 0, 100 if setgid_dir else 0)
+                os.chmod(d, 0o2777 if setgid_dir else 0o777)
+                res = subprocess.run([python, "-c", script, str(d)], capture_output=True,
+                                     text=True, timeout=30, **kw)
+                assert res.returncode == 0, res.stderr
+                outs.append(res.stdout)
+    assert outs[4:] == outs[:4]
+    assert "r2010 102010 100" in outs[1] and "p4755 14755 0" in outs[0]
+
+
 class _Dirent(ctypes.Structure):
     _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64),
                 ("d_reclen", ctypes.c_ushort), ("d_type", ctypes.c_ubyte),
