@@ -31,6 +31,7 @@ from .stats import Stats
 from .store import MetadataStore
 from .writeback import Destager, plan_destage
 from .openmode import OpenModes
+from .mounttable import noatime
 from .statx import birth_ns, dio_align
 from .writepath import WritePath
 
@@ -57,6 +58,8 @@ class Cache:
         # the objects the parts share (never rebound)
         self.cfg, self.store, self.backing, self.stats = cfg, store, backing, stats
         self.write_back = state.write_back
+        self.mounted_at: str | None = None      # the mount's real path, once mounted
+        self._noatime = (False, 0.0)            # (the mount is noatime, when looked at)
         # Write-through opens get an O_DIRECT twin for AIO (aio.py) where BACKING is a FUSE or
         # network mount, whose direct writes the kernel serialises per file; on a local
         # filesystem buffered writes are what a plain directory does, and the twin would
@@ -156,12 +159,25 @@ class Cache:
         else:
             self.state.discard(cf)
 
+    def noatime(self) -> bool:
+        """The mount has the kernel's noatime flag (`-o noatime`; a remount changes it):
+        reads through it move no atime, BACKING's included. Looked up at most once a
+        second (/proc/self/mountinfo)."""
+        flag, when = self._noatime
+        now = time.monotonic()
+        if now - when >= 1.0 and self.mounted_at is not None:
+            flag = noatime(self.mounted_at)
+            self._noatime = (flag, now)
+        return flag
+
     async def open(self, fh: int, ino: int, path: bytes, flags: int, named: bool = True
                    ) -> tuple[OpenFile, bool]:
         """Open BACKING, revalidate cached data; returns the handle and whether the kernel may
         keep its page cache for the file. `named` False: `path` is a /proc/self/fd link of
         the file (no name of it is known), not a path hint to keep."""
         bflags = (flags & ~_FLAGS_NOT_FOR_BACKING) | os.O_CLOEXEC
+        if flags & os.O_ACCMODE != os.O_WRONLY and self.noatime():
+            bflags |= os.O_NOATIME      # misses read BACKING: no atime moves there either
         token = self.coherence.stat_token(ino)
         before = self.files.get(ino)
         want_direct = self._direct_twins and flags & os.O_ACCMODE != os.O_RDONLY
@@ -232,6 +248,8 @@ class Cache:
             unchanged = False
         due = (_atime_due(cf, st) if flags & os.O_ACCMODE != os.O_WRONLY
                and not flags & os.O_NOATIME else None)
+        if due is not None and self.noatime():
+            due = None
         if due is not None:
             # Reads the cache answers never reach BACKING: BACKING reads a block, so that
             # it moves the atime by its own rules (relatime: mail readers, tmpwatch and
@@ -510,7 +528,12 @@ def _open_fstat(root: int, path: bytes, flags: int, want_direct: bool, birth: bo
                 ) -> tuple[int, os.stat_result, int, int]:
     """The open, its fstat, the O_DIRECT twin if `want_direct`, the birth time (0) if
     `birth` (write-back: the file may turn dirty through it, CacheState.persist_birth)."""
-    fd = bp.open_at(root, path, flags)
+    try:
+        fd = bp.open_at(root, path, flags)
+    except PermissionError:
+        if not flags & os.O_NOATIME:
+            raise
+        fd = bp.open_at(root, path, flags & ~os.O_NOATIME)   # not the file's owner: as is
     try:
         return (fd, os.fstat(fd), aio.open_direct(fd) if want_direct else -1,
                 birth_ns(fd) if birth else 0)

@@ -339,6 +339,7 @@ class Daemon:
                 if self.mountpoint_lock is not None:    # the mount is there: a second
                     os.close(self.mountpoint_lock)      # start is refused by check_paths
                     self.mountpoint_lock = None
+                self.cache.mounted_at = real_mountpoint
                 registered = register(real_mountpoint, self.control_path)
                 self.cache.modes.mounted(fuse_device(real_mountpoint))
                 if raise_max_background(real_mountpoint):

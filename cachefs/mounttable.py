@@ -42,6 +42,18 @@ def device_of(real_mountpoint: str) -> str | None:
     return dev
 
 
+def noatime(real_mountpoint: str) -> bool:
+    """The mount on `real_mountpoint` has the kernel's `noatime` flag (`-o noatime`, or a
+    remount with it since); False if it is not mounted."""
+    flag = False
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 5 and unescape(fields[4]) == real_mountpoint:
+                flag = "noatime" in fields[5].split(",")
+    return flag
+
+
 def users_of(real_mountpoint: str) -> list[str]:
     """Other mounts that keep the filesystem on `real_mountpoint` in use: bind mounts of it
     (the same device) and mounts whose options name a path in it (overlayfs's lowerdir,

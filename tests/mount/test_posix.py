@@ -1254,6 +1254,32 @@ def test_a_read_the_cache_answers_moves_atime_as_relatime_does(mounted):
     assert st.st_atime_ns >= st.st_mtime_ns - 20_000_000, (st.st_atime_ns, st.st_mtime_ns)
 
 
+def test_reads_through_a_noatime_mount_move_no_atime(make_mount, mode):
+    """`-o noatime` (or a remount with it): reads move no atime, as on any filesystem so
+    mounted; cachefs still read a byte of BACKING to move BACKING's atime, and its misses
+    read BACKING with the atime moving there (xfstests generic/120). A remount without it
+    moves atimes again."""
+    m = make_mount("--mode", mode, "-o", "noatime")
+    data = os.urandom(128 * KiB)
+    for name in ("hit", "miss"):
+        (m.backing / name).write_bytes(data)
+        os.utime(m.backing / name, ns=(1_577_836_800 * 10**9, 1_609_459_200 * 10**9))
+    direct_read_twice(m.path("hit"), len(data))                   # cached (atime: noatime)
+    for _ in range(2):
+        assert m.path("hit").read_bytes() == data
+        assert m.path("miss").read_bytes() == data
+        time.sleep(1.2)                                            # past --attr-timeout
+        for name in ("hit", "miss"):
+            assert os.stat(m.backing / name).st_atime_ns == 1_577_836_800 * 10**9, name
+            assert os.stat(m.path(name)).st_atime_ns == 1_577_836_800 * 10**9, name
+    subprocess.run(["mount", "-o", "remount,strictatime", str(m.mnt)], check=True,
+                   capture_output=True, timeout=30)
+    time.sleep(1.1)                                                # its flag is looked at
+    start = time.time() - 2
+    assert m.path("hit").read_bytes() == data
+    wait_until(lambda: os.stat(m.backing / "hit").st_atime >= start, 5, what="the atime")
+
+
 def test_a_read_after_an_in_place_write_moves_atime_past_the_mtime(mounted):
     """Write-back: an in-place write (no size change) does not reach BACKING before the
     destage, so BACKING's own relatime check (by its older mtime) let the read change
