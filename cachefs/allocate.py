@@ -51,7 +51,7 @@ class Allocations:
         if mode & _ZEROING:
             self.stats.zeroed_bytes += max(0, min(end, cf.size) - off)
         if not mode & _ZEROING:
-            moved = await self._backing_fallocate(of, FALLOC_FL_KEEP_SIZE, off, size)
+            moved, _ = await self._backing_fallocate(of, FALLOC_FL_KEEP_SIZE, off, size)
             if moved and cf.dirty_exts:
                 # BACKING's mtime moved (ext4's does), and the mount shows the time its
                 # dirty data is to get: that one moves too, or the next destage would put
@@ -65,9 +65,10 @@ class Allocations:
         if not mode & FALLOC_FL_KEEP_SIZE and end > cf.size:
             await self.truncate(cf.ino, end, b"", of.backing_fd)     # through the fd
 
-    async def _backing_fallocate(self, of: OpenFile, mode: int, off: int, size: int) -> bool:
-        """BACKING's fallocate, as an own change of the file (its times move). True if
-        BACKING's mtime is not the one known before."""
+    async def _backing_fallocate(self, of: OpenFile, mode: int, off: int, size: int
+                                 ) -> tuple[bool, int]:
+        """BACKING's fallocate, as an own change of the file (its times move): (whether
+        BACKING's mtime is not the one known before, BACKING's size after it)."""
         cf = of.cfile
         known = cf.identity
         cf.writes_inflight += 1
@@ -78,7 +79,7 @@ class Allocations:
         finally:
             cf.writes_inflight -= 1
         self._c.own_change(cf, st, size_exact=False)
-        return known is None or st.st_mtime_ns != known[2]
+        return known is None or st.st_mtime_ns != known[2], st.st_size
 
     async def _zero_range(self, of: OpenFile, mode: int, off: int, end: int) -> None:
         """Punch or zero [off, end) in BACKING, then in the cache (the file's lock held:
@@ -89,12 +90,24 @@ class Allocations:
         cf.trunc_seq += 1                       # write-through writes in flight: theirs too
         self._forget_clean(cf, off, min(end, cf.size))  # readers go to BACKING meanwhile
         try:
-            await self._backing_fallocate(of, mode, off, end - off)
+            _, backing_size = await self._backing_fallocate(of, mode, off, end - off)
+            whole = min(end, cf.size, backing_size)
+            if self._dirty_whole(cf, off, whole):
+                # Dirty blocks wholly in the range, within BACKING's file: BACKING has their
+                # new bytes (zeros, a hole) once its fallocate is durable, so they go from
+                # the cache instead of turning into dirty zeros: BACKING keeps its hole (the
+                # destage of those zeros filled it) and SEEK_HOLE finds it (generic/539).
+                try:
+                    await self.backing.write_call(os.fdatasync, of.backing_fd)
+                except OSError:
+                    pass                        # they get zeros and are destaged, as before
+                else:
+                    self._forget_dirty(cf, off, whole)
         finally:
             cf.clobber(first, last)
             cf.trunc_seq += 1
         self._forget_clean(cf, off, min(end, cf.size))  # fills installed meanwhile
-        self._zero_dirty(cf, off, min(end, cf.size))
+        self._zero_dirty(cf, off, min(end, cf.size))    # the dirty blocks left: zeros
         if cf.dirty_exts:                       # a later destage must not move the mtime
             self._s.written_now(cf)
 
@@ -103,6 +116,25 @@ class Allocations:
             x = cf.extents.get(e)
             if x is not None:
                 self._s.map.invalidate(cf, x, m)
+
+    @staticmethod
+    def _whole(cf, off: int, end: int):
+        """(extent, blocks of it wholly inside [off, end)) for each extent of the range."""
+        for e, s, t, _ in spans(off, end):
+            x = cf.extents.get(e)
+            if x is not None:
+                base = e << EXT_SHIFT
+                yield x, covered_mask(s - base, t - base, cf.size - base)
+
+    def _dirty_whole(self, cf, off: int, end: int) -> bool:
+        return off < end and any(x.dirty & m for x, m in self._whole(cf, off, end))
+
+    def _forget_dirty(self, cf, off: int, end: int) -> None:
+        """Forget the blocks wholly inside [off, end), dirty ones too: BACKING has their
+        bytes (durably: the caller synced it)."""
+        for x, m in list(self._whole(cf, off, end)):
+            if x.valid & m:
+                self._s.map.trim(cf, x, x.valid & ~m)
 
     def _zero_dirty(self, cf, off: int, end: int) -> None:
         """Dirty blocks of [off, end) get zeros in the cache file and stay dirty (the
