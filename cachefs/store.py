@@ -113,9 +113,26 @@ def _dirty_note(db: sqlite3.Connection, backing: str) -> str:
             f"{backing} will do) and flush, or the data stays in this cache directory only.")
 
 
+# Times in nanoseconds past 2262-04-11 do not fit SQLite's signed 64-bit INTEGER (ext4 and
+# XFS keep times up to 2446: `touch -d 2300-01-01`): the commit raised OverflowError, the
+# daemon ended and write-back data not yet destaged was lost (xfstests generic/634). They are
+# stored wrapped (minus 2**64) and read back past _WRAPPED_BELOW (1843: no filesystem here
+# keeps times before 1901) as what they were.
+_I64 = 1 << 63
+_WRAPPED_BELOW = -4 * 10**18
+
+
+def _to_i64(ns: int) -> int:
+    return ns - (1 << 64) if ns >= _I64 else ns
+
+
+def _from_i64(v: int) -> int:
+    return v + (1 << 64) if v < _WRAPPED_BELOW else v
+
+
 def _read_tables(db: sqlite3.Connection) -> tuple[dict, list]:
     """The files and extents rows (MetadataStore.load)."""
-    files = {ino: (size, mt, ct, path, size if lsize is None else lsize)
+    files = {ino: (size, _from_i64(mt), _from_i64(ct), path, size if lsize is None else lsize)
              for ino, size, mt, ct, path, lsize in db.execute(
                  "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
     extents = list(db.execute("SELECT ino, ext, valid, dirty, summed, sums FROM extents"))
@@ -532,7 +549,8 @@ class MetadataStore:
                 db.executemany("DELETE FROM extents WHERE ino=?", [(i,) for i in dropped])
                 db.executemany("DELETE FROM files WHERE ino=?", [(i,) for i in dropped])
             db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
-                           [(ino, *v) for ino, v in files.items()])
+                           [(ino, size, _to_i64(mt), _to_i64(ct), path, lsize)
+                            for ino, (size, mt, ct, path, lsize) in files.items()])
             db.executemany("DELETE FROM extents WHERE ino=? AND ext=?",
                            [k for k, v in extents.items() if v is None])
             db.executemany("INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?, ?, ?)",
