@@ -11,7 +11,6 @@ import ctypes
 import errno
 import mmap
 import os
-import re
 import stat
 import subprocess
 import sys
@@ -310,47 +309,6 @@ def test_o_excl(mounted):
     m.path("dir").mkdir()
     with pytest.raises(FileExistsError):
         os.open(m.path("dir"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-
-
-def test_a_shared_mapping_of_an_o_direct_open(mounted):
-    """mmap(MAP_SHARED) of a file opened with O_DIRECT works on a local filesystem. cachefs
-    answers such opens with direct_io, whose shared mappings the kernel refused with ENODEV
-    (xfstests generic/091, 263: fsx -Z with mapped reads or writes) until the mount asked
-    for FUSE_CAP_DIRECT_IO_ALLOW_MMAP. The mapping sees direct writes, and its own writes
-    reach the daemon's reads and BACKING."""
-    m = mounted
-    import pyfuse3
-    if not hasattr(pyfuse3, "direct_io_mmap_enabled"):
-        pytest.skip("pyfuse3 without deps/passthrough/pyfuse3-direct-io-mmap.patch")
-    if tuple(int(x) for x in re.findall(r"\d+", os.uname().release)[:2]) < (6, 6):
-        pytest.skip("the kernel has no FUSE_CAP_DIRECT_IO_ALLOW_MMAP (Linux < 6.6)")
-    size = 256 * KiB
-    want = bytearray(os.urandom(size))
-    m.path("d").write_bytes(want)
-    fd = os.open(m.path("d"), os.O_RDWR | os.O_DIRECT)
-    try:
-        with mmap.mmap(fd, size, mmap.MAP_SHARED) as mapped:
-            assert mapped[:] == want
-            patch = mmap.mmap(-1, 4096)
-            patch.write(b"\xab" * 4096)
-            assert os.pwrite(fd, patch, 8192) == 4096               # a direct write...
-            want[8192:12288] = b"\xab" * 4096
-            assert mapped[8192:12288] == want[8192:12288]           # ...seen by the mapping
-            mapped[70000:70005] = b"HELLO"                          # a write through it...
-            want[70000:70005] = b"HELLO"
-            mapped.flush()
-            buf = mmap.mmap(-1, size)
-            assert os.preadv(fd, [buf], 0) == size                  # ...seen by direct reads
-            assert bytes(buf) == want
-        ro = os.open(m.path("d"), os.O_RDONLY | os.O_DIRECT)
-        try:
-            with mmap.mmap(ro, size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
-                assert mapped[:] == want
-        finally:
-            os.close(ro)
-    finally:
-        os.close(fd)
-    assert (flushed(m) / "d").read_bytes() == want
 
 
 def test_o_direct(mounted):
