@@ -1034,6 +1034,22 @@ def test_writers_across_the_limit_of_a_held_file_then_kill9(make_mount, make_tmp
     assert (m.backing / "f").read_bytes() == want
 
 
+def _detach_unlinked(m, w: int, want: bytearray) -> None:
+    """Detach held `f`'s cache file: unlink it (still open as `w`), change BACKING's file
+    behind the mount (through the daemon's own descriptor of it), wait for the detach."""
+    os.unlink(m.path("f"))
+    fds = [p for p in Path(f"/proc/{m.proc.pid}/fd").iterdir()
+           if os.readlink(p) == f"{m.backing / 'f'} (deleted)"]
+    time.sleep(1.1)                                     # another mtime
+    with open(fds[0], "r+b") as f:                      # someone holding BACKING's file
+        f.seek(10)
+        f.write(b"OUTSIDE")
+    want[10:17] = b"OUTSIDE"
+    time.sleep(1.1)
+    wait_until(lambda: os.fstat(w) and m.stats()["passthrough_detached"] == 1, 15,
+               what="the detach")                       # seen at a revalidation
+
+
 def test_a_detached_held_file_grows_as_an_ordinary_one(make_mount, make_tmpfs):
     """A held file's cache file is detached (set aside for the kernel's opens, a new one
     made) when BACKING's file changes behind it while it is unlinked. Its writes went on
@@ -1043,17 +1059,7 @@ def test_a_detached_held_file_grows_as_an_ordinary_one(make_mount, make_tmpfs):
     m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, "write-through")
     w = os.open(m.path("f"), os.O_RDWR)
     try:
-        os.unlink(m.path("f"))
-        fds = [p for p in Path(f"/proc/{m.proc.pid}/fd").iterdir()
-               if os.readlink(p) == f"{m.backing / 'f'} (deleted)"]
-        time.sleep(1.1)                                 # another mtime
-        with open(fds[0], "r+b") as f:                  # someone holding BACKING's file
-            f.seek(10)
-            f.write(b"OUTSIDE")
-        want[10:17] = b"OUTSIDE"
-        time.sleep(1.1)
-        os.fstat(w)                                     # seen at the revalidation
-        wait_until(lambda: m.stats()["passthrough_detached"] == 1, 15, what="the detach")
+        _detach_unlinked(m, w, want)
         for _ in range(72):
             data = os.urandom(MiB)
             assert os.pwrite(w, data, len(want)) == len(data)      # no ENOSPC
@@ -1075,17 +1081,7 @@ def test_a_detached_held_files_new_data_can_be_evicted(make_mount, make_tmpfs):
     m, cache, want, r = _held_on_a_small_cache(make_mount, make_tmpfs, "write-through")
     w = os.open(m.path("f"), os.O_RDWR)
     try:
-        os.unlink(m.path("f"))
-        fds = [p for p in Path(f"/proc/{m.proc.pid}/fd").iterdir()
-               if os.readlink(p) == f"{m.backing / 'f'} (deleted)"]
-        time.sleep(1.1)                                 # another mtime
-        with open(fds[0], "r+b") as f:                  # someone holding BACKING's file
-            f.seek(10)
-            f.write(b"OUTSIDE")
-        want[10:17] = b"OUTSIDE"
-        time.sleep(1.1)
-        wait_until(lambda: os.fstat(w) and m.stats()["passthrough_detached"] == 1, 15,
-                   what="the detach")                   # seen at a revalidation
+        _detach_unlinked(m, w, want)
         for _ in range(48):
             data = os.urandom(MiB)
             assert os.pwrite(w, data, len(want)) == len(data)

@@ -1045,6 +1045,15 @@ def test_create_keeps_setuid_and_setgid_bits(mounted, tmp_path):
               "for m in (0o4755, 0o2755, 0o6755, 0o755)]; "
               "print(sorted(f'{n} {os.stat(sys.argv[1] + \"/\" + n).st_mode:o}' "
               "for n in os.listdir(sys.argv[1])))")
+    outs = _as_root_and_nobody(script, tmp_path, mounted, (False,))
+    assert outs[2:] == outs[:2]
+    assert "4755 104755" in outs[0] and "2755 102755" in outs[1]
+
+
+def _as_root_and_nobody(script: str, tmp_path, mounted, setgid_dirs) -> list[str]:
+    """Run `script DIR` as root and as nobody, in a new directory of a plain directory and
+    then of the mount, for each of `setgid_dirs` (True: a set-group-ID directory of group
+    100): their outputs, the plain directory's first."""
     python = "/usr/bin/python3"                     # one the other user may run
     if not os.path.exists(python):
         pytest.skip("no /usr/bin/python3 for the other user")
@@ -1055,15 +1064,16 @@ def test_create_keeps_setuid_and_setgid_bits(mounted, tmp_path):
         top.mkdir(exist_ok=True)
         for who, kw in (("root", {}), ("nobody", dict(user=65534, group=65534,
                                                        extra_groups=[]))):
-            d = top / who
-            d.mkdir()
-            os.chmod(d, 0o777)
-            res = subprocess.run([python, "-c", script, str(d)], capture_output=True,
-                                 text=True, timeout=30, **kw)
-            assert res.returncode == 0, res.stderr
-            outs.append(res.stdout)
-    assert outs[2:] == outs[:2]
-    assert "4755 104755" in outs[0] and "2755 102755" in outs[1]
+            for setgid_dir in setgid_dirs:
+                d = top / f"{who}{'-sgid' if setgid_dir else ''}"
+                d.mkdir()
+                os.chown(d, 0, 100 if setgid_dir else 0)
+                os.chmod(d, 0o2777 if setgid_dir else 0o777)
+                res = subprocess.run([python, "-c", script, str(d)], capture_output=True,
+                                     text=True, timeout=30, **kw)
+                assert res.returncode == 0, res.stderr
+                outs.append(res.stdout)
+    return outs
 
 
 def test_mknod_keeps_setuid_and_setgid_bits(mounted, tmp_path):
@@ -1077,25 +1087,7 @@ def test_mknod_keeps_setuid_and_setgid_bits(mounted, tmp_path):
               "for m in (0o4755, 0o2755, 0o6755, 0o2010, 0o755)]; "
               "print(sorted(f'{n} {os.stat(sys.argv[1] + \"/\" + n).st_mode:o} "
               "{os.stat(sys.argv[1] + \"/\" + n).st_gid}' for n in os.listdir(sys.argv[1])))")
-    python = "/usr/bin/python3"                     # one the other user may run
-    if not os.path.exists(python):
-        pytest.skip("no /usr/bin/python3 for the other user")
-    for d in [tmp_path, *tmp_path.parents][:-1]:     # pytest's directories are 0700
-        os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o011)
-    outs = []
-    for top in (tmp_path / "plain", mounted.mnt):
-        top.mkdir(exist_ok=True)
-        for who, kw in (("root", {}), ("nobody", dict(user=65534, group=65534,
-                                                       extra_groups=[]))):
-            for setgid_dir in (False, True):
-                d = top / f"{who}{'-sgid' if setgid_dir else ''}"
-                d.mkdir()
-                os.chown(d, 0, 100 if setgid_dir else 0)
-                os.chmod(d, 0o2777 if setgid_dir else 0o777)
-                res = subprocess.run([python, "-c", script, str(d)], capture_output=True,
-                                     text=True, timeout=30, **kw)
-                assert res.returncode == 0, res.stderr
-                outs.append(res.stdout)
+    outs = _as_root_and_nobody(script, tmp_path, mounted, (False, True))
     assert outs[4:] == outs[:4]
     assert "r2010 102010 100" in outs[1] and "p4755 14755 0" in outs[0]
 
