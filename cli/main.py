@@ -226,14 +226,14 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if users:
         raise UserError(f"{mountpoint} is still used by the mount on {users[0]} (an overlay "
                         "or bind mount of a path in it): unmount that first.")
-    dead = False
-    if args.flush and _dead(mountpoint):
+    dead = _dead(mountpoint)
+    if dead:
         # Its daemon is gone (a crash, kill -9): nothing can be flushed, but the dead mount
         # must go, or a restart (systemd's ExecStop, then ExecStart) meets it again.
-        print(f"cachefs: the daemon of {mountpoint} is gone: nothing was flushed; write-back "
-              "data not yet on BACKING stays on the SSD and is destaged at the next mount.",
+        print(f"cachefs: the daemon of {mountpoint} is gone (it crashed or was killed; its "
+              f"log says why): {'nothing was flushed; ' if args.flush else ''}write-back data "
+              "not yet on BACKING stays on the SSD and is destaged at the next mount.",
               file=sys.stderr)
-        dead = True
     elif args.flush:
         from . import ctl
         rc = ctl.main(["flush", mountpoint])
@@ -252,7 +252,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if pid is not None and not _wait_exit(pid, args.timeout):
         raise UserError(f"the cachefs daemon (pid {pid}) did not finish within "
                         f"{args.timeout:g} s; it keeps persisting in the background.")
-    if dead:
+    if dead and args.flush:             # (the unmount asked for was done: 0 without --flush)
         return 1
     if stats and stats["dirty_bytes"]:
         print(f"cachefs: write-back data not yet on BACKING stays on the SSD in "

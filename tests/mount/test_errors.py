@@ -603,6 +603,14 @@ def test_dead_mount(make_mount, env):
     assert os.listdir(m.mnt) == []
     assert run([*CACHEFS, "umount", str(m.mnt)]).returncode == 0
     assert not is_mounted(m.mnt)
+    res = env.mount(backing=m.backing, mnt=m.mnt, cache=m.cache)
+    assert res.returncode == 0, res.stderr
+    os.kill(int((m.cache / "lock").read_text().split()[0]), 9)
+    wait_until(lambda: _enotconn(m.mnt), 10, what="the dead mount")
+    res = run([*CACHEFS, "umount", str(m.mnt)])     # the unmount is done, the death told
+    assert res.returncode == 0, res.stderr
+    assert "is gone" in res.stderr and "nothing was flushed" not in res.stderr, res.stderr
+    assert not is_mounted(m.mnt)
 
 
 def test_a_mount_right_after_the_daemon_died_clears_the_dead_mount(env):
