@@ -66,8 +66,8 @@ COUNTERS = (    # (metric name without cachefs_ and _total, stats key, help)
     ("verified_blocks", "verified_blocks", "Cached blocks checked by verify and the scrub."),
     ("scrubs", "scrubs", "Background scrub passes completed."),
     ("metadata_errors", "metadata_errors", "Failed metadata commits."),
-    ("internal_errors", "internal_errors", "Reads failed with EIO by an error in cachefs "
-     "itself (a bug; the log has its traceback)."),
+    ("internal_errors", "internal_errors", "Reads failed with EIO, and metadata rows left "
+     "out of a commit, by an error in cachefs itself (a bug; the log says what)."),
     ("conflicts", "conflicts", "Write-back: BACKING changed while dirty here."),
     ("writes_around", "writes_around", "Write-back writes sent straight to BACKING."),
     ("destage_ops", "destage_ops", "Destage passes."),

@@ -140,14 +140,17 @@ class Persister:
                 await trio.to_thread.run_sync(fdatasync_paths,
                                               [self._files.path(i) for i in written])
             try:      # in the store's thread: the event loop (and every hit) goes on
-                await store.commit_async(batch, durable or bool(self._punch_committing))
+                left_out = await store.commit_async(batch,
+                                                    durable or bool(self._punch_committing))
             except sqlite3.OperationalError as exc:
                 if not is_full(exc) or not store.release_reserve():
                     raise
                 # The reserve file made room for this commit (it forgets evicted extents,
                 # whose holes free more once punched).
                 self._metadata_failed(exc)
-                await store.commit_async(batch, durable or bool(self._punch_committing))
+                left_out = await store.commit_async(batch,
+                                                    durable or bool(self._punch_committing))
+            self._stats.internal_errors += left_out     # (the store logged them)
         except (OSError, sqlite3.Error) as exc:
             # A full or failing SSD: keep everything queued for the next try (the mount
             # goes on; a durable request fails, as an fsync of a failing disk must).

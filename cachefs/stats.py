@@ -32,7 +32,8 @@ COUNTERS = (
     "writes_around",                       # write-back writes sent to BACKING (SSD full...)
     "cache_full_events",                   # SSD writes that failed for lack of space
     "metadata_errors",                     # failed metadata commits (retried)
-    "internal_errors",                     # reads failed by a bug in cachefs (EIO, logged)
+    "internal_errors",                     # reads failed (EIO) and metadata rows left out
+                                           # by a bug in cachefs (logged)
     "destage_ops", "destaged_bytes", "destage_errors",
     "throttled_writes", "throttle_delay_ns",   # flow control: writes slowed, delay added
     # cached extents dropped, by reason (evictions are counted above)

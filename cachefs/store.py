@@ -130,6 +130,23 @@ def _from_i64(v: int) -> int:
     return v + (1 << 64) if v < _WRAPPED_BELOW else v
 
 
+def _file_row(row: tuple) -> tuple:
+    """A files row as stored: (ino, size, mtime_ns, ctime_ns, path, lsize), times wrapped."""
+    ino, size, mt, ct, path, lsize = row
+    return ino, size, _to_i64(mt), _to_i64(ct), path, lsize
+
+
+# What SQLite raises for a value it cannot bind (out of range, an unknown type); the
+# ProgrammingError/InterfaceError kinds only when their text says binding (_unstorable).
+_UNSTORABLE = (OverflowError, TypeError, ValueError, sqlite3.InterfaceError,
+               sqlite3.ProgrammingError)
+
+
+def _unstorable(exc: Exception) -> bool:
+    return (not isinstance(exc, (sqlite3.InterfaceError, sqlite3.ProgrammingError))
+            or "binding" in str(exc).lower())
+
+
 def _read_tables(db: sqlite3.Connection) -> tuple[dict, list]:
     """The files and extents rows (MetadataStore.load)."""
     files = {ino: (size, _from_i64(mt), _from_i64(ct), path, size if lsize is None else lsize)
@@ -525,17 +542,38 @@ class MetadataStore:
         thread, one at a time and in the order asked: the event loop goes on meanwhile."""
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    async def commit_async(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
+    async def commit_async(self, batch: tuple[set, dict, dict, dict], durable: bool) -> int:
         """commit() in the store's worker thread (see run_async)."""
-        await self.run_async(self.commit, batch, durable)
+        return await self.run_async(self.commit, batch, durable)
 
-    def commit(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
+    def commit(self, batch: tuple[set, dict, dict, dict], durable: bool) -> int:
         """Write one batch in one transaction; `durable` makes the commit survive power loss.
-        Runs in any thread; the connection is held meanwhile."""
-        with self._lock:
-            self._commit_locked(batch, durable)
+        Runs in any thread; the connection is held meanwhile.
 
-    def _commit_locked(self, batch: tuple[set, dict, dict, dict], durable: bool) -> None:
+        A row SQLite cannot hold (a value out of its range or of a type it does not know:
+        a bug in cachefs) is left out and logged, and the rest of the batch is written. An
+        OverflowError once ended the daemon here and every file's write-back marks of the
+        batch were lost (xfstests generic/634); one bad row costs its own row only now.
+
+        Returns:
+            How many rows were left out (0 but for such a bug).
+        """
+        with self._lock:
+            try:
+                return len(self._commit_locked(batch, durable))
+            except _UNSTORABLE as exc:
+                if not _unstorable(exc):
+                    raise
+                left_out = self._commit_locked(batch, durable, row_by_row=True)
+                log.error("a metadata commit failed on a value SQLite cannot store (%s: %s), "
+                          "an error in cachefs: %d row(s) left out, the rest committed: %s",
+                          type(exc).__name__, exc, len(left_out),
+                          "; ".join(f"{table} {row!r}" for table, row in left_out[:5]))
+                return len(left_out)
+
+    def _commit_locked(self, batch: tuple[set, dict, dict, dict], durable: bool,
+                       row_by_row: bool = False) -> list[tuple[str, tuple]]:
+        """One transaction; row_by_row leaves out (and returns) the rows SQLite refuses."""
         dropped, files, extents, meta = batch
         if _ident(self.path) != self._ident:
             self._write_again()
@@ -543,22 +581,32 @@ class MetadataStore:
         self._loaded = None                     # the rows read at open are old now
         if durable:
             db.execute("PRAGMA synchronous=FULL")
+        left_out: list[tuple[str, tuple]] = []
         try:
             db.execute("BEGIN")
-            if dropped:
-                db.executemany("DELETE FROM extents WHERE ino=?", [(i,) for i in dropped])
-                db.executemany("DELETE FROM files WHERE ino=?", [(i,) for i in dropped])
-            db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
-                           [(ino, size, _to_i64(mt), _to_i64(ct), path, lsize)
-                            for ino, (size, mt, ct, path, lsize) in files.items()])
-            db.executemany("DELETE FROM extents WHERE ino=? AND ext=?",
-                           [k for k, v in extents.items() if v is None])
-            db.executemany("INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?, ?, ?)",
-                           [(*k, *v) for k, v in extents.items() if v is not None])
-            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                           [(k, v) for k, v in meta.items() if v is not None])
-            db.executemany("DELETE FROM meta WHERE key=?",
-                           [(k,) for k, v in meta.items() if v is None])
+            for table, sql, rows in (
+                    ("extents", "DELETE FROM extents WHERE ino=?", [(i,) for i in dropped]),
+                    ("files", "DELETE FROM files WHERE ino=?", [(i,) for i in dropped]),
+                    ("files", "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
+                     [(ino, *v) for ino, v in files.items()]),
+                    ("extents", "DELETE FROM extents WHERE ino=? AND ext=?",
+                     [k for k, v in extents.items() if v is None]),
+                    ("extents", "INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?, ?, ?)",
+                     [(*k, *v) for k, v in extents.items() if v is not None]),
+                    ("meta", "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                     [(k, v) for k, v in meta.items() if v is not None]),
+                    ("meta", "DELETE FROM meta WHERE key=?",
+                     [(k,) for k, v in meta.items() if v is None])):
+                if not row_by_row:
+                    db.executemany(sql, map(_file_row, rows) if "INTO files" in sql else rows)
+                    continue
+                for row in rows:
+                    try:
+                        db.execute(sql, _file_row(row) if "INTO files" in sql else row)
+                    except _UNSTORABLE as exc:
+                        if not _unstorable(exc):
+                            raise
+                        left_out.append((table, row))
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -570,6 +618,7 @@ class MetadataStore:
         self.commits += 1
         self.last_commit_s = time.monotonic()
         self.journal.committed()
+        return left_out
 
     def _write_again(self) -> None:
         """cachefs.db was removed (or replaced) behind the daemon while mounted (a cleanup

@@ -214,6 +214,7 @@ class FakeStore:
             raise self.fail
         self.commits += 1
         self.log.append(("commit", tuple(batch), durable))
+        return 0                                     # rows left out
 
     def requeue(self, batch):
         self.requeued.append(batch)

@@ -133,8 +133,9 @@ async def test_commit_async_runs_off_the_event_loop_and_excludes_other_db_use(tm
     def slow_commit(batch, durable):
         in_commit.set()
         release.wait(10)                     # an fsync that takes long
-        commit(batch, durable)
+        left_out = commit(batch, durable)
         order.append("commit")
+        return left_out
 
     s._commit_locked = slow_commit
     s.queue_extent(1, 0, 0xFFFF, 0)
@@ -154,4 +155,27 @@ async def test_commit_async_runs_off_the_event_loop_and_excludes_other_db_use(tm
     assert ticks == 20 and order == ["commit", "pins"]
     assert s.load_pins() == [(1, b"f", 10)]
     assert s.load()[1] == [(1, 0, 0xFFFF, 0, 0, None)]
+    s.close(clean=True)
+
+
+def test_a_row_sqlite_cannot_store_costs_that_row_only(tmp_path, caplog):
+    """A value out of SQLite's range (an mtime past 2262 was one, xfstests generic/634) made
+    the commit raise: the daemon ended and the batch's write-back marks of every file were
+    lost. The other rows are committed now, the bad one is left out and logged."""
+    s = _open(tmp_path)
+    s.queue_file(10, 4096, 1, 2, b"a/good", 4096)
+    s.queue_file(11, 1 << 64, 1, 2, b"a/bad", 4096)          # no file is that large
+    s.queue_extent(10, 0, 0xFFFF, 0xF)
+    s.queue_extent(11, 0, 0xFFFF, [0xF])                      # a type SQLite does not know
+    s.queue_meta("k", "v")
+    assert s.commit(s.take_batch(), durable=True) == 2
+    assert "2 row(s) left out" in caplog.text and "a/bad" in caplog.text
+    s.close(clean=True)
+    s = _open(tmp_path)
+    files, extents = s.load()
+    assert files == {10: (4096, 1, 2, b"a/good", 4096)}
+    assert extents == [(10, 0, 0xFFFF, 0xF, 0, None)]
+    assert s.meta_items("k") == {"k": "v"}
+    s.queue_file(12, 1, 3, 4, b"a/next", 1)                   # and the store goes on
+    assert s.commit(s.take_batch(), durable=False) == 0
     s.close(clean=True)
