@@ -223,7 +223,8 @@ def _read_done(reads: dict, n: int, fn: Callable[..., Any], args: tuple) -> Any:
 
 # The operation a function performs, for the log (read_call callers name theirs).
 _OP_NAMES = {"_pwrite_stat": "write", "pwrite_all": "write", "truncate_stat": "truncate",
-             "fsync_path": "fsync", "fallocate_stat": "fallocate", "fdatasync": "fsync", "_destage_io": "destage write",
+             "fsync_path": "fsync", "fallocate_stat": "fallocate", "fdatasync": "fsync",
+             "_destage_io": "destage write",
              "open_by_ino": "open", "_writable_twin": "open", "open_direct": "open",
              "_open_fstat": "open", "_create_twin": "create", "close_all": "close",
              "create": "create", "dio_align": "open"}

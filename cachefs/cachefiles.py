@@ -28,7 +28,8 @@ class CacheFiles:
                  restored: Callable[[CachedFile, int, OSError | None], None] | None = None):
         self.data_dir = os.path.join(cache_dir, "data")
         self._made = made           # told of every cache file made (CacheState.cache_file_made)
-        self._restored = restored   # told of every one written again (CacheState.cache_file_restored)
+        self._restored = restored   # told of every one written again
+        #                             (CacheState.cache_file_restored)
 
     def path(self, ino: int) -> str:
         return os.path.join(self.data_dir, "%02x" % (ino & 0xFF), str(ino))

@@ -45,8 +45,8 @@ RENAME_WHITEOUT = 4             # linux/fs.h; pyfuse3 names only EXCHANGE and NO
 def to_fuse_error(exc: OSError) -> FUSEError:
     """The errno mapping: an OSError (BACKING's, or the engine's with its errno) as the
     FUSEError the kernel gets (EIO when it has no errno). ENOTCONN and ECONNABORTED, a FUSE
-    BACKING whose server died, are EIO too: passed on, it made this live mount look dead to programs and
-    to `cachefs mount`, which then unmounted it (a helper's hunt)."""
+    BACKING whose server died, are EIO too: passed on, it made this live mount look dead to
+    programs and to `cachefs mount`, which then unmounted it (a helper's hunt)."""
     e = exc.errno
     return FUSEError(errno.EIO if not e or e in _DEAD_SERVER else e)
 

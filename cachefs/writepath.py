@@ -3,10 +3,10 @@ cache file, blocks turn dirty; flow control first), write-around (write-back whe
 cannot take it), truncate and fsync.
 
 Owns `WritePath` (the writes to files the kernel reads by itself, in passthrough, are its
-base `HeldWrites`, heldwrites.py; fallocate(2) is its base `Allocations`, allocate.py). Its bracketing of awaits: promotions in flight are overtaken by writes and
-truncates (`CachedFile.fills`), write-through updates the cached blocks no other write
-touched while it was in flight, unless a truncate came meanwhile (`CachedFile.wtrack`,
-`trunc_seq`).
+base `HeldWrites`, heldwrites.py; fallocate(2) is its base `Allocations`, allocate.py). Its
+bracketing of awaits: promotions in flight are overtaken by writes and truncates
+(`CachedFile.fills`), write-through updates the cached blocks no other write touched while
+it was in flight, unless a truncate came meanwhile (`CachedFile.wtrack`, `trunc_seq`).
 """
 
 from __future__ import annotations

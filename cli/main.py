@@ -148,8 +148,8 @@ def _read_ready(fd: int, proc: subprocess.Popen) -> str:
                 deadline = time.monotonic() + PATIENCE_S
                 if time.monotonic() - shown >= PROGRESS_SHOWN_S:
                     shown = time.monotonic()
-                    print(f"cachefs: still starting: {line[len(PROGRESS):].decode(errors='replace')}",
-                          file=sys.stderr)
+                    what = line[len(PROGRESS):].decode(errors='replace')
+                    print(f"cachefs: still starting: {what}", file=sys.stderr)
         else:
             proc.kill()
             return (f"the daemon was not ready, and reported no progress, for {PATIENCE_S:g} "

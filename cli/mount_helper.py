@@ -63,8 +63,9 @@ def _remount(backing: str, mountpoint: str, opts: list[str]) -> int:
     """`mount -o remount,ro MOUNTPOINT` of a cachefs mount: the kernel's remount (mount -i:
     no helper again) with the kernel's flags; the rest (cachefs's options, which mount(8)
     hands over from fstab and the mount table each time) cannot change without unmounting
-    and are left as they are (said for those that differ). mount.fuse3 ran `cachefs SOURCE MOUNTPOINT -o remount,...`,
-    which is no cachefs command ("cachefs: not found" and the mount stayed rw)."""
+    and are left as they are (said for those that differ). mount.fuse3 ran `cachefs SOURCE
+    MOUNTPOINT -o remount,...`, which is no cachefs command ("cachefs: not found" and the
+    mount stayed rw)."""
     flags = [o for o in opts if o in REMOUNT_FLAGS]
     res = subprocess.run(["mount", "-i", "-o", ",".join(flags), mountpoint])
     if res.returncode == 0:

@@ -260,9 +260,10 @@ def test_power_cut_rounds_of_file_operations(tmp_path, ssd):
 
 def test_a_partial_block_extended_past_survives_a_crash(tmp_path, ssd):
     """A block that held the end of the file after a truncate, extended since: the cache
-    file has no bytes past the old end (a hole in the block's tail on a cache filesystem with blocks smaller
-    than 4 KiB), which reads as the zeros the file has there. Recovery after a crash took
-    that hole for missing data and forgot the block, fsynced dirty bytes included."""
+    file has no bytes past the old end (a hole in the block's tail on a cache filesystem with
+    blocks smaller than 4 KiB), which reads as the zeros the file has there. Recovery after a
+    crash took that hole for missing data and forgot the block, fsynced dirty bytes
+    included."""
     (tmp_path / "backing").mkdir()
     (tmp_path / "mnt").mkdir()
     m = Mount(tmp_path / "backing", ssd.path / "cache", tmp_path / "mnt",

@@ -9,7 +9,6 @@ tests/mount/test_renumbering_backing.py (after a helper's seqino_fs.py).
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import sys

@@ -74,7 +74,8 @@ def test_sequential_stream_bypasses_cache(make_mount):
     for _ in range(2):
         fd = os.open(m.path("stream"), os.O_RDONLY | os.O_DIRECT)
         try:
-            out = b"".join(pread_aligned(fd, 128 << 10, off) for off in range(0, len(data), 128 << 10))
+            out = b"".join(pread_aligned(fd, 128 << 10, off)
+                           for off in range(0, len(data), 128 << 10))
         finally:
             os.close(fd)
         assert out == data

@@ -40,8 +40,8 @@ def test_debug_traces_every_request_with_result_and_duration(make_mount):
                for op, a, r, _ in traces), traces
     assert any(op == "lookup" and "name='missing'" in a and r == "ENOENT"
                for op, a, r, _ in traces), traces
-    assert any(op == "lookup" and "name='g'" in a and r.startswith("ino=") and r.endswith("size=100")
-               for op, a, r, _ in traces), traces
+    assert any(op == "lookup" and "name='g'" in a and r.startswith("ino=")
+               and r.endswith("size=100") for op, a, r, _ in traces), traces
     assert all(int(us) >= 0 for *_, us in traces)
     assert "unique:" not in log                 # libfuse's raw trace: only with -o debug
 

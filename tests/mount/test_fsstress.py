@@ -82,7 +82,8 @@ def test_fsstress_through_a_tiny_pool(make_mount, mode, seed):
     t.start()
     try:
         out = subprocess.run([fsstress, "-d", str(m.path("t")), "-n", str(OPS), "-p", "4",
-                              "-s", str(seed), *[a for op in UNSUPPORTED for a in ("-f", f"{op}=0")]],
+                              "-s", str(seed),
+                              *[a for op in UNSUPPORTED for a in ("-f", f"{op}=0")]],
                              capture_output=True, text=True, timeout=900)
     finally:
         stop.set()

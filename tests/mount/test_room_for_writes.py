@@ -109,7 +109,7 @@ def test_a_partial_write_racing_a_promotion_of_its_extent_does_not_stall(make_mo
     slow.mkdir()
     data = bytearray(os.urandom(16 * 64 * KiB))
     (src / "f").write_bytes(bytes(data))
-    with mounted_slowfs(src, slow, latency_ms=30, jitter_ms=0) as sf:
+    with mounted_slowfs(src, slow, latency_ms=30, jitter_ms=0):
         m = make_mount("--mode", "write-back", "--promote-after", "1", backing=slow)
         rfd = os.open(m.path("f"), os.O_RDONLY | os.O_DIRECT)
         wfd = os.open(m.path("f"), os.O_WRONLY)

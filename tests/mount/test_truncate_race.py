@@ -81,9 +81,10 @@ def test_a_write_back_shrink_past_what_backing_holds_reads_right_while_it_commit
     """Write-back. Each round: the file is emptied, a block at 2 MiB is written ("n",
     dirty; every other round "o" is written and flushed there first, so that BACKING holds
     "o"), an extending write at 3.5 MiB stays dirty (BACKING holds nothing past 2 MiB + 4
-    KiB, or nothing at all), then a truncate to 1.5 MiB drops both dirty writes. While the truncate commits (fdatasync and database commit,
-    then BACKING's truncate: ms), the file is OLD_END or NEW_END bytes long; the 4 KiB at
-    1 MiB are zeros either way, and the block at 2 MiB is "n" or past the end, never "o".
+    KiB, or nothing at all), then a truncate to 1.5 MiB drops both dirty writes. While the
+    truncate commits (fdatasync and database commit, then BACKING's truncate: ms), the file
+    is OLD_END or NEW_END bytes long; the 4 KiB at 1 MiB are zeros either way, and the block
+    at 2 MiB is "n" or past the end, never "o".
 
     Before the fix, readers in that window read EOF at 1 MiB (the miss path read BACKING,
     which is shorter), fstat gave BACKING's size (getattr found no dirty data left) and the
