@@ -30,7 +30,6 @@ section of docs/benchmarks.md between the runner markers and copies the plots to
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -792,8 +791,8 @@ def density_table(results: dict) -> str:
     d = results.get("density") or {}
     if not d:
         return ""
-    lines = ["| system | clients that fit | first that did not | steps (clients: IOPS, mean ms; ✗ = "
-             "over the SLA or < 95 % of the rate) |",
+    lines = ["| system | clients that fit | first that did not | steps (clients: IOPS, mean ms; "
+             "✗ = over the SLA or < 95 % of the rate) |",
              "|---|---:|---:|---|"]
     for system, r in d.items():
         if "steps" not in r:
@@ -945,11 +944,12 @@ def markdown(results: dict, plots: dict[str, str], img_prefix: str) -> str:
         parts += [warming.markdown(results["warming"]), ""]
     dt = density_table(results)
     if dt:
+        steps = "1, 4, 16" if st["quick"] else "1, 2, 3, 4, then x1.5"
         parts += ["### Density",
                   "",
                   f"Rate-limited clients (bench/jobs/density.fio: each 84 reads + 36 writes/s, "
                   f"4 KiB random, QD 1, all on the one warmed file), {st['density_runtime']} s "
-                  f"per step; clients are added ({'1, 4, 16' if st['quick'] else '1, 2, 3, 4, then x1.5'}) until a step does not "
+                  f"per step; clients are added ({steps}) until a step does not "
                   f"fit, then the boundary is bisected (at most {st['density_max_steps']} "
                   f"steps). A step fits when the mean latency is within the {SLA_MS:g} ms SLA "
                   f"of the Hitachi report and the clients got >= {100 * MIN_DELIVERED:.0f} % of "

@@ -87,7 +87,8 @@ def mount(backing: str, cache: str, mnt: str, target: str) -> None:
 def umount(mnt: str, target: str) -> None:
     if target == "bare":
         run(["fusermount3", "-u", mnt])
-        while any(line.split()[1] == mnt for line in open("/proc/self/mounts", errors="surrogateescape")):
+        while any(line.split()[1] == mnt
+                  for line in open("/proc/self/mounts", errors="surrogateescape")):
             time.sleep(0.02)
         return
     run([sys.executable, "-m", "cachefs_cli.main", "umount", mnt], env=_code(target)[1])
