@@ -7,6 +7,10 @@ and into cachefs over it (write-through and write-back), in one run.
 
     python3 bench/smallfiles.py [--rounds N] [--clone-files N] [--modes bare,write-through,...]
 
+`--modes c=PATH,...` adds a C FUSE daemon run as `PATH BACKING MNT`: libfuse's own
+passthrough_hp (`bash bench/c_passthrough.sh` builds it and prints its path), what FUSE
+itself costs per file with a daemon in C.
+
 BACKING is a plain directory here (no slow-disk emulator): what is measured is what cachefs
 adds per file. Each figure is the median of N rounds, each into a fresh directory; the
 page cache is warm for the sources (they are read once before). Prints a Markdown table.
@@ -75,9 +79,22 @@ def _code(target: str) -> tuple[str, dict | None]:
     return mode, (dict(os.environ, PYTHONPATH=tree) if tree else None)
 
 
+def _mounted(mnt: str) -> bool:
+    with open("/proc/self/mounts", errors="surrogateescape") as f:
+        return any(line.split()[1] == mnt for line in f)
+
+
 def mount(backing: str, cache: str, mnt: str, target: str) -> None:
     if target == "bare":                        # the bare pyfuse3 passthrough: Python FUSE's floor
         run([sys.executable, os.path.join(HERE, "passthrough.py"), "mount", backing, mnt])
+        return
+    if target.startswith("c="):                 # a C daemon (it daemonizes once mounted)
+        run([target[2:], backing, mnt])
+        deadline = time.monotonic() + 10
+        while not _mounted(mnt):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{target[2:]} did not mount {mnt} within 10 s")
+            time.sleep(0.02)
         return
     mode, env = _code(target)
     run([sys.executable, "-m", "cachefs_cli.main", "mount", "--mode", mode, "--cache-dir",
@@ -85,10 +102,9 @@ def mount(backing: str, cache: str, mnt: str, target: str) -> None:
 
 
 def umount(mnt: str, target: str) -> None:
-    if target == "bare":
+    if target == "bare" or target.startswith("c="):
         run(["fusermount3", "-u", mnt])
-        while any(line.split()[1] == mnt
-                  for line in open("/proc/self/mounts", errors="surrogateescape")):
+        while _mounted(mnt):
             time.sleep(0.02)
         return
     run([sys.executable, "-m", "cachefs_cli.main", "umount", mnt], env=_code(target)[1])
@@ -100,7 +116,8 @@ def main() -> int:
     ap.add_argument("--clone-files", type=int, default=3000)
     ap.add_argument("--modes", default="bare,write-through,write-back",
                     help="targets beside the plain directory; bare is bench/passthrough.py; "
-                    "MODE@DIR runs MODE from the source tree DIR")
+                    "MODE@DIR runs MODE from the source tree DIR; c=PATH a C FUSE daemon "
+                    "run as PATH BACKING MNT")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="cachefs-small.", dir="/var/tmp")
     try:
@@ -137,7 +154,9 @@ def main() -> int:
                     results.setdefault(op, {}).setdefault(target, []).append(t)
         print(f"tar x: {len(PACKAGES)} stdlib packages, 757 files; git clone: a local "
               f"repository of {nfiles} files; median of {args.rounds} rounds (s)\n")
-        print("| operation | plain BACKING | " + " | ".join(args.modes.split(",")) + " |")
+        names = ["C " + os.path.basename(m[2:]) if m.startswith("c=") else m
+                 for m in args.modes.split(",")]
+        print("| operation | plain BACKING | " + " | ".join(names) + " |")
         print("|---|---:|" + "---:|" * len(args.modes.split(",")))
         for op, by in results.items():
             plain = statistics.median(by["plain"])
