@@ -98,7 +98,9 @@ def is_mounted(path: str | Path) -> bool:
 def unmount_when_released(mnt: str | Path, check: bool = True, busy_s: float = 10) -> None:
     """fusermount3 -u, again while the mount is busy for up to `busy_s`: one teardown on a
     loaded machine failed with EBUSY right after the test had closed its last descriptor
-    (a RELEASE still pending does not do it, checked; the cause was not found)."""
+    (a RELEASE still pending does not do it, checked). One cause found: another program's
+    call on the mount still in flight, such as a `df` (statfs of every mount) waiting for
+    a hung BACKING, holds the mount."""
     deadline = time.monotonic() + busy_s
     while True:
         res = subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, text=True)

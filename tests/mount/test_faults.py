@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from slowfs_client import mounted_slowfs  # noqa: E402
 
 from cachefs_cli.main import _is_zombie  # noqa: E402  (what `cachefs umount` waits for)
-from tests.conftest import pread_aligned, read_blocks, wait_until, warm  # noqa: E402
+from tests.conftest import (pread_aligned, read_blocks, unmount_when_released,  # noqa: E402
+                            wait_until, warm)
 
 pytestmark = pytest.mark.fuse
 
@@ -196,7 +197,7 @@ def test_an_unmount_does_not_wait_for_a_destage_stuck_in_a_hung_backing(slow_bac
     try:
         time.sleep(2.5)                          # the destager's pass is in BACKING now
         assert m.stats()["dirty_bytes"] > 0
-        subprocess.run(["fusermount3", "-u", str(m.mnt)], check=True)
+        unmount_when_released(m.mnt)        # (a `df` elsewhere waits for BACKING too)
         # Done as `cachefs umount` sees it: the daemon's main thread has exited. (A thread
         # in a call BACKING, itself a FUSE filesystem here, has taken cannot be killed:
         # the process goes when BACKING answers it.)
