@@ -9,6 +9,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,6 +396,24 @@ def pread_aligned(fd: int, size: int, off: int) -> bytes:
         return buf[:n]
     finally:
         buf.close()
+
+
+def direct_passthrough(m: Mount) -> bool:
+    """Can an O_DIRECT read-only open of this mount go passthrough? Only where BACKING's
+    filesystem and the cache's both state their direct I/O alignment (statx STATX_DIOALIGN)
+    and the cache's is no stricter (cachefs/openmode.py, _direct_ok): ext4 and XFS do;
+    btrfs (Linux 6.18) and tmpfs state none, and their O_DIRECT opens stay on the daemon."""
+    from cachefs.statx import dio_align
+    aligns = []
+    for d in (m.backing, m.cache):
+        fd, name = tempfile.mkstemp(dir=d)
+        try:
+            aligns.append(dio_align(fd))
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    (b_mem, b_off), (c_mem, c_off) = aligns
+    return 0 < c_mem <= b_mem and 0 < c_off <= b_off
 
 
 def warm(m: Mount, name: str, size: int, passes: int = 2) -> None:

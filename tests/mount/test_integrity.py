@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from tests.conftest import CTL, ctl_flush, pread_aligned, read_blocks, wait_until, warm
+from tests.conftest import (CTL, ctl_flush, direct_passthrough, pread_aligned, read_blocks,
+                            wait_until, warm)
 
 pytestmark = [pytest.mark.fuse, pytest.mark.damages_cache]
 
@@ -236,13 +237,15 @@ def test_a_file_from_an_earlier_mount_is_verified_before_passthrough(make_mount)
     warm(m, "g", SIZE)
     m.restart()
     flip(cache_file(m, "g"), 7 * 4096 + 1)          # rotted while unmounted
+    # (O_DIRECT opens go passthrough only where both filesystems state their alignment)
+    read = read_all if direct_passthrough(m) else (lambda p: p.read_bytes())
     for name in ("f", "g"):
-        assert read_all(m.path(name)) == data       # served by the daemon, checked
+        assert read(m.path(name)) == data           # served by the daemon, checked
     wait_until(lambda: m.stats()["verified_blocks"] >= 2 * 256 - 1, 10, what="verification")
     s = m.stats()
     assert s["passthrough_opens"] == 0
     assert s["checksum_errors"] >= 1                 # g's block: dropped, read from BACKING
-    assert read_all(m.path("f")) == data            # verified: the kernel serves it now
+    assert read(m.path("f")) == data                # verified: the kernel serves it now
     assert m.stats()["passthrough_opens"] == 1
 
 
