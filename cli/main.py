@@ -25,6 +25,10 @@ READY_ENV = "CACHEFS_READY_FD"
 READY_WARNING = "warning: "     # a line of the ready answer after "ok"
 LOG_ENV = "CACHEFS_LOG_FILE"    # the daemon's stdout and stderr: reopened at SIGHUP (logrotate)
 PROGRESS_SHOWN_S = 30          # how often `cachefs mount` shows a long start's progress
+# `cachefs umount` tries again this long while the mount is busy: a stat or statfs of the
+# mount by another program (df, a monitoring agent's every-mount scan) holds it for as long
+# as the daemon takes to answer, and the unmount failed with EBUSY (seen in the suite).
+BUSY_RETRY_S = 3.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -246,9 +250,16 @@ def cmd_umount(args: argparse.Namespace) -> int:
         # A dead daemon (unmounting is still right), or one that cannot answer through the
         # mount (its BACKING hangs): then it is found by its command line, to be waited for.
         stats, pid = None, preflight.daemon_pid(mountpoint)
-    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    deadline = time.monotonic() + BUSY_RETRY_S
+    while True:
+        res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+        if res.returncode == 0 or "busy" not in res.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     if res.returncode != 0:
-        raise UserError(f"unmounting {mountpoint} failed: {res.stderr.strip()}")
+        busy = (f" (for {BUSY_RETRY_S:g} s: a program has a file or its working directory "
+                "in it; `fuser -vm MOUNTPOINT` names them)" if "busy" in res.stderr else "")
+        raise UserError(f"unmounting {mountpoint} failed{busy}: {res.stderr.strip()}")
     if pid is not None and not _wait_exit(pid, args.timeout):
         raise UserError(f"the cachefs daemon (pid {pid}) did not finish within "
                         f"{args.timeout:g} s; it keeps persisting in the background.")

@@ -654,6 +654,33 @@ def test_umount_refuses_a_timeout_that_is_no_positive_number(env, value):
     assert_sentence(res, "--timeout needs a positive number")
 
 
+def test_umount_waits_out_a_short_busy_spell_and_names_a_long_one(env):
+    """A stat or statfs of the mount by another program (df, a monitoring agent) holds it
+    while the daemon answers: `cachefs umount` failed with EBUSY if it came then (seen in
+    the suite). It tries again for a few seconds; a mount busy for longer (an open file)
+    is a sentence saying what to look for."""
+    res = env.mount()
+    assert res.returncode == 0, res.stderr
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; "
+                               "fd = os.open(sys.argv[1], os.O_RDONLY); print(1, flush=True); "
+                               "time.sleep(float(sys.argv[2]))", str(env.mnt), "1"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "1\n"           # it holds the mount for 1 s
+    res = run([*CACHEFS, "umount", str(env.mnt)])
+    holder.wait()
+    assert res.returncode == 0, res.stderr
+    assert not is_mounted(env.mnt)
+    res = env.mount()
+    assert res.returncode == 0, res.stderr
+    fd = os.open(env.mnt, os.O_RDONLY)
+    try:
+        res = run([*CACHEFS, "umount", str(env.mnt)])
+        assert_sentence(res, "busy", "fuser")
+    finally:
+        os.close(fd)
+    assert run([*CACHEFS, "umount", str(env.mnt)]).returncode == 0
+
+
 def test_umount_of_a_plain_directory(env):
     res = run([*CACHEFS, "umount", str(env.mnt)])
     assert_sentence(res, str(env.mnt), "not a cachefs mount")
