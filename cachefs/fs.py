@@ -84,6 +84,11 @@ class Operations(pyfuse3.Operations):
     # with FUSE_CAP_DONT_MASK (deps/passthrough's acl-dont-mask patch) new nodes get the
     # parent's default ACL instead of the umask (backingpaths.creating_under).
     enable_acl = True
+    # FUSE_CAP_DIRECT_IO_ALLOW_MMAP (deps/passthrough's direct-io-mmap patch): O_DIRECT opens
+    # are answered with direct_io, whose shared mappings the kernel refuses (ENODEV) unless
+    # asked for this; with it they go through the page cache, coherent with direct I/O, and
+    # their writeback reaches `write` marked writepage=True.
+    enable_direct_io_mmap = True
 
     def __init__(self, cfg: Config, cache: Cache, inodes: InodeTable, control_path: str):
         super().__init__()
@@ -127,6 +132,14 @@ class Operations(pyfuse3.Operations):
                      "suidgid.patch and a kernel that offers it"
                      if hasattr(pyfuse3, "killpriv_v2_enabled")
                      else "pyfuse3 without deps/passthrough/pyfuse3-kill-suidgid.patch")
+        dio_mmap = bool(getattr(pyfuse3, "direct_io_mmap_enabled", bool)())
+        self._cache.stats.direct_io_mmap = int(dio_mmap)
+        if not dio_mmap:
+            log.info("shared mappings of O_DIRECT opens: off (%s): mmap(MAP_SHARED) of a file "
+                     "opened with O_DIRECT fails with ENODEV",
+                     "not offered by the kernel (Linux >= 6.6)"
+                     if hasattr(pyfuse3, "direct_io_mmap_enabled")
+                     else "pyfuse3 without deps/passthrough/pyfuse3-direct-io-mmap.patch")
         why_not = ("--no-fast-hits" if not self._cfg.fast_hits
                    else "--debug traces every request" if self._cfg.debug
                    else install_fast_hits(self._open))
@@ -563,7 +576,7 @@ class Operations(pyfuse3.Operations):
         return data
 
     @_errno_mapped
-    async def write(self, fh, off, buf, kill_suidgid=False):
+    async def write(self, fh, off, buf, kill_suidgid=False, writepage=False):
         of = self._open[fh]
         if kill_suidgid and await self._kill_suidgid(of) is not None:
             # By a caller without CAP_FSETID (KILLPRIV_V2). A buffered write's kill came in
@@ -583,7 +596,11 @@ class Operations(pyfuse3.Operations):
         t0 = perf_counter_ns()
         n = await self._cache.write(of, off, buf)
         of.stats.lat_write.add(perf_counter_ns() - t0)
-        if self._modes.wrote_direct(of):    # page-cache opens may have read older bytes
+        if self._modes.wrote_direct(of) and not writepage:
+            # Page-cache opens may have read older bytes: dropped. Not after the kernel's
+            # writeback of a shared mapping of this direct_io open (FUSE_CAP_DIRECT_IO_ALLOW_
+            # MMAP): the bytes came from those pages, and the kernel holds them until this
+            # write is answered (dropping them waited for it: xfstests generic/095 hung).
             await trio.to_thread.run_sync(_invalidate, of.ino, False)
         return n
 

@@ -113,6 +113,8 @@ GAUGES = (
     ("passthrough_enabled", "passthrough_on", "1 while FUSE passthrough is on."),
     ("killpriv_v2_enabled", "killpriv_v2_on", "1 while FUSE_HANDLE_KILLPRIV_V2 is on (no "
      "security.capability request before each write)."),
+    ("direct_io_mmap_enabled", "direct_io_mmap_on", "1 while shared mappings of O_DIRECT "
+     "opens work (FUSE_CAP_DIRECT_IO_ALLOW_MMAP)."),
     ("fast_hits_enabled", "fast_hits_on", "1 while 4 KiB cache hits are answered in C "
      "(pyfuse3's read hook)."),
     ("passthrough_open_handles", "passthrough_open_handles", "Open handles in passthrough."),

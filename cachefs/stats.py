@@ -71,7 +71,8 @@ DROP_REASONS = ("coherence", "recovery", "capacity", "operator", "cache_error", 
 class Stats:
     # Slots: the hit path (hit.py and _hit.c) adds to four counters per request.
     __slots__ = COUNTERS + ("started_s", "lat_hit", "lat_miss", "lat_bypass", "lat_write",
-                            "lat_fsync", "lat_destage", "latency", "killpriv_v2", "fast_hits",
+                            "lat_fsync", "lat_destage", "latency", "killpriv_v2",
+                            "direct_io_mmap", "fast_hits",
                             "lifetime_base", "lifetime_since")
 
     def __init__(self):
@@ -83,6 +84,7 @@ class Stats:
             self.lat_destage = hists = tuple(Histogram() for _ in TIERS)
         self.latency = dict(zip(TIERS, hists))
         self.killpriv_v2 = 0        # FUSE_HANDLE_KILLPRIV_V2 in effect (fs.init): not a counter
+        self.direct_io_mmap = 0     # FUSE_CAP_DIRECT_IO_ALLOW_MMAP in effect (fs.init): ditto
         self.fast_hits = 0          # 4 KiB hits answered in C (hit.install_fast_hits): ditto
         self.lifetime_base: dict[str, int] = {}     # totals of all earlier mounts
         self.lifetime_since: float | None = None    # wall time the totals started
@@ -111,6 +113,7 @@ class Stats:
         out["uptime_s"] = round(time.monotonic() - self.started_s, 1)
         out["killpriv_v2"] = "on" if self.killpriv_v2 else "off"
         out["killpriv_v2_on"] = self.killpriv_v2
+        out["direct_io_mmap_on"] = self.direct_io_mmap
         out["fast_hits"] = "on" if self.fast_hits else "off"
         out["fast_hits_on"] = self.fast_hits
         out["latency"] = {tier: h.snapshot() for tier, h in self.latency.items()}

@@ -43,7 +43,7 @@ FUSE3_MIN=3.17.1
 PATCHES=("$HERE/pyfuse3-passthrough.patch" "$HERE/pyfuse3-queued-requests.patch"
          "$HERE/pyfuse3-kill-suidgid.patch" "$HERE/pyfuse3-acl-dont-mask.patch"
          "$HERE/pyfuse3-fallocate.patch" "$HERE/pyfuse3-lseek.patch"
-         "$HERE/pyfuse3-read-hook.patch")
+         "$HERE/pyfuse3-read-hook.patch" "$HERE/pyfuse3-direct-io-mmap.patch")
 LIBFUSE_PATCHES=("$HERE/libfuse-kill-suidgid.patch")
 REQS=$HERE/build-requirements.txt
 

@@ -73,3 +73,22 @@ def test_fsx_with_direct_io_through_a_tiny_pool(make_mount, mode):
     flush_all(m)
     view = Path(m.path("fsxd")).read_bytes()
     assert (m.backing / "fsxd").read_bytes() == view
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_fsx_with_direct_io_and_mappings_through_a_tiny_pool(make_mount, mode):
+    """O_DIRECT I/O and shared mappings of the same O_DIRECT open (xfstests generic/091 and
+    263 run fsx -Z with mapped reads and writes; the kernel refused those mappings with
+    ENODEV before the mount asked for FUSE_CAP_DIRECT_IO_ALLOW_MMAP)."""
+    fsx = fsx_binary()
+    usage = subprocess.run([fsx, "-h"], capture_output=True, text=True)
+    if "-Z" not in usage.stdout + usage.stderr:
+        pytest.skip(f"{fsx} has no O_DIRECT mode (-Z)")
+    m = make_mount("--mode", mode, "--cache-size", "1M", "--promote-after", "1")
+    if not m.stats().get("direct_io_mmap_on"):
+        pytest.skip("FUSE_CAP_DIRECT_IO_ALLOW_MMAP is not in effect (tests/mount/test_posix.py "
+                    "test_a_shared_mapping_of_an_o_direct_open says why)")
+    run_fsx(fsx, m.mnt, "fsxdm", 14, "-Z", "-r", "4096", "-w", "4096", "-t", "4096")
+    flush_all(m)
+    view = Path(m.path("fsxdm")).read_bytes()
+    assert (m.backing / "fsxdm").read_bytes() == view

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import mmap
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -293,6 +294,81 @@ def test_o_trunc_with_o_rdonly_truncates_as_linux_does(mounted, creat):
                          capture_output=True, text=True, timeout=30)
     assert res.returncode != 0 and "PermissionError" in res.stderr, res.stderr
     assert m.path("g").read_bytes() == data     # a user without write permission: EACCES
+
+
+def test_a_shared_mapping_of_an_o_direct_open(mounted):
+    """mmap(MAP_SHARED) of a file opened with O_DIRECT works on a local filesystem. cachefs
+    answers such opens with direct_io, whose shared mappings the kernel refused with ENODEV
+    (xfstests generic/091, 263: fsx -Z with mapped reads or writes) until the mount asked
+    for FUSE_CAP_DIRECT_IO_ALLOW_MMAP. The mapping sees direct writes, and its own writes
+    reach the daemon's reads and BACKING."""
+    m = mounted
+    if not m.stats()["direct_io_mmap_on"]:
+        pytest.skip("FUSE_CAP_DIRECT_IO_ALLOW_MMAP is not in effect (the mount's log says why)")
+    size = 256 * KiB
+    want = bytearray(os.urandom(size))
+    m.path("d").write_bytes(want)
+    fd = os.open(m.path("d"), os.O_RDWR | os.O_DIRECT)
+    try:
+        with mmap.mmap(fd, size, mmap.MAP_SHARED) as mapped:
+            assert mapped[:] == want
+            patch = mmap.mmap(-1, 4096)
+            patch.write(b"\xab" * 4096)
+            assert os.pwrite(fd, patch, 8192) == 4096               # a direct write...
+            want[8192:12288] = b"\xab" * 4096
+            assert mapped[8192:12288] == want[8192:12288]           # ...seen by the mapping
+            mapped[70000:70005] = b"HELLO"                          # a write through it...
+            want[70000:70005] = b"HELLO"
+            mapped.flush()
+            buf = mmap.mmap(-1, size)
+            assert os.preadv(fd, [buf], 0) == size                  # ...seen by direct reads
+            assert bytes(buf) == want
+        ro = os.open(m.path("d"), os.O_RDONLY | os.O_DIRECT)
+        try:
+            with mmap.mmap(ro, size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
+                assert mapped[:] == want
+        finally:
+            os.close(ro)
+    finally:
+        os.close(fd)
+    assert (flushed(m) / "d").read_bytes() == want
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_mapped_buffered_and_direct_writes_of_one_file_do_not_hang(mounted):
+    """xfstests generic/095: fio jobs writing two files at once with O_DIRECT (sync, libaio,
+    posixaio, splice), buffered and mmap writes, one of them mmap through an O_DIRECT open.
+    With FUSE_CAP_DIRECT_IO_ALLOW_MMAP the kernel's writeback of that mapping reaches the
+    daemon as writes through the direct_io open, after which cachefs dropped the file's
+    pages: that waited for pages the kernel held until the write was answered, a deadlock
+    (write-through, 4 of 4). ext4 runs it in about 2 s."""
+    m = mounted
+    jobs = [("job1", "sync", "randread", 1, "4096"), ("job2", "libaio", "randwrite", 1, "8k"),
+            ("job3", "posixaio", "randwrite", 1, "4096"), ("job4", "splice", "randwrite", 1,
+                                                           "8k"),
+            ("job5", "sync", "randread", 0, "1k"), ("job6", "posixaio", "randwrite", 0, "8k"),
+            ("job7", "splice", "randwrite", 0, "8k"), ("job8", "mmap", "randwrite", 0, "1k"),
+            ("job9", "mmap", "randwrite", 1, "4096")]
+    if not m.stats()["direct_io_mmap_on"]:
+        jobs = jobs[:-1]        # (the kernel refuses job9's mapping: ENODEV)
+    cmd = ["fio", "--iodepth=16", "--iodepth_batch=8", "--randrepeat=1", "--size=1m",
+           f"--directory={m.mnt}", "--numjobs=5"]
+    for name, engine, rw, direct, bs in jobs:
+        cmd += [f"--name={name}", f"--ioengine={engine}", f"--rw={rw}", f"--direct={direct}",
+                f"--bs={bs}", "--filename=file1:file2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        conn = f"/sys/fs/fuse/connections/{os.stat(m.mnt).st_dev}"
+        with open(f"{conn}/abort", "w") as f:          # the hung requests fail: fio ends
+            f.write("1")
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("fio hung on the mount (its FUSE connection was aborted)")
+    assert proc.returncode == 0, out[-3000:]
+    for name in ("file1", "file2"):
+        assert (flushed(m) / name).read_bytes() == m.path(name).read_bytes(), name
 
 
 def test_o_excl(mounted):
