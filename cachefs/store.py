@@ -58,7 +58,8 @@ SCHEMA_VERSION = 5
 # files: one row per BACKING inode with cached data.
 #   ino          BACKING st_ino (also the FUSE inode number and the cache file's name)
 #   size, mtime_ns, ctime_ns   BACKING's identity when the extents below were valid; a file
-#                whose identity differs when next seen has its clean extents dropped
+#                whose identity differs when next seen has its clean extents dropped;
+#                times before 1843 or past 2262 are a BLOB of their decimal digits (_to_db)
 #   path         BACKING path (bytes) where the file was last seen; a hint for destaging
 #                after a restart, checked against ino (schema 2)
 #   lsize        the file's logical size: larger than `size` while extending writes are
@@ -114,26 +115,31 @@ def _dirty_note(db: sqlite3.Connection, backing: str) -> str:
 
 
 # Times in nanoseconds past 2262-04-11 do not fit SQLite's signed 64-bit INTEGER (ext4 and
-# XFS keep times up to 2446: `touch -d 2300-01-01`): the commit raised OverflowError, the
-# daemon ended and write-back data not yet destaged was lost (xfstests generic/634). They are
-# stored wrapped (minus 2**64) and read back past _WRAPPED_BELOW (1843: no filesystem here
-# keeps times before 1901) as what they were.
+# XFS keep times up to 2446: `touch -d 2300-01-01`; btrfs further): the commit raised
+# OverflowError, the daemon ended and write-back data not yet destaged was lost (xfstests
+# generic/634). Such times, and times before _WRAPPED_BELOW (1843), are stored as a BLOB of
+# their decimal digits, which SQLite keeps as it is whatever the column's type. (The version
+# before stored them wrapped, minus 2**64, read back below _WRAPPED_BELOW: times past about
+# 2319 were then read back as times before 1970, and a remount took such a file for changed
+# on BACKING, a conflict in write-back. INTEGERs below _WRAPPED_BELOW are still read so.)
 _I64 = 1 << 63
 _WRAPPED_BELOW = -4 * 10**18
 
 
-def _to_i64(ns: int) -> int:
-    return ns - (1 << 64) if ns >= _I64 else ns
+def _to_db(ns: int) -> int | bytes:
+    return ns if _WRAPPED_BELOW <= ns < _I64 else str(ns).encode()
 
 
-def _from_i64(v: int) -> int:
+def _from_db(v: int | bytes) -> int:
+    if isinstance(v, bytes):
+        return int(v)
     return v + (1 << 64) if v < _WRAPPED_BELOW else v
 
 
 def _file_row(row: tuple) -> tuple:
-    """A files row as stored: (ino, size, mtime_ns, ctime_ns, path, lsize), times wrapped."""
+    """A files row as stored: (ino, size, mtime_ns, ctime_ns, path, lsize), times _to_db."""
     ino, size, mt, ct, path, lsize = row
-    return ino, size, _to_i64(mt), _to_i64(ct), path, lsize
+    return ino, size, _to_db(mt), _to_db(ct), path, lsize
 
 
 # What SQLite raises for a value it cannot bind (out of range, an unknown type); the
@@ -149,7 +155,7 @@ def _unstorable(exc: Exception) -> bool:
 
 def _read_tables(db: sqlite3.Connection) -> tuple[dict, list]:
     """The files and extents rows (MetadataStore.load)."""
-    files = {ino: (size, _from_i64(mt), _from_i64(ct), path, size if lsize is None else lsize)
+    files = {ino: (size, _from_db(mt), _from_db(ct), path, size if lsize is None else lsize)
              for ino, size, mt, ct, path, lsize in db.execute(
                  "SELECT ino, size, mtime_ns, ctime_ns, path, lsize FROM files")}
     extents = list(db.execute("SELECT ino, ext, valid, dirty, summed, sums FROM extents"))

@@ -1336,25 +1336,34 @@ def test_times_past_2262_are_kept(mounted):
     """ext4 keeps times up to 2446; past 2262-04-11 their nanoseconds do not fit SQLite's
     64-bit INTEGER: the commit of such a file's record raised OverflowError, the daemon
     ended, and in write-back every file's data not yet on BACKING was lost (xfstests
-    generic/634; a read of a BACKING file so dated ended a write-through mount too)."""
+    generic/634; a read of a BACKING file so dated ended a write-through mount too). Then
+    they were stored wrapped, and times past about 2319 came back as times before 1970: a
+    remount took the file for changed on BACKING (its cache dropped; a conflict in
+    write-back)."""
     m = mounted
     late = 10_413_792_000 * 10**9                                   # 2300-01-01
+    later = 14_831_769_600 * 10**9                                  # 2440-01-01
     data = os.urandom(100 * KiB)
     m.path("f").write_bytes(data)
     m.path("g").write_bytes(b"other file")
     os.utime(m.path("f"), ns=(late, late))
     (m.backing / "h").write_bytes(data)
-    os.utime(m.backing / "h", ns=(late, late))
+    os.utime(m.backing / "h", ns=(later, later))
     direct_read_twice(m.path("h"), len(data))                       # cached: its record
     assert m.path("h").read_bytes() == data
     time.sleep(1.5)                                                 # a commit
-    assert m.stats()["extents_cached"] > 0                          # alive
+    cached = m.stats()["extents_cached"]
+    assert cached > 0                                               # alive
     m.stop()
     m.start()
     assert m.path("f").read_bytes() == data
     assert m.path("g").read_bytes() == b"other file"
     assert m.path("h").read_bytes() == data
     assert os.stat(m.path("f")).st_mtime_ns == late
+    assert os.stat(m.path("h")).st_mtime_ns == later
+    s = m.stats()
+    assert s["conflicts"] == 0 and s["drop_coherence"] == 0, s      # seen unchanged
+    assert s["extents_cached"] >= cached
     ctl_flush(m)
     assert (m.backing / "f").read_bytes() == data
     assert os.stat(m.backing / "f").st_mtime_ns == late

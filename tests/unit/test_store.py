@@ -179,3 +179,24 @@ def test_a_row_sqlite_cannot_store_costs_that_row_only(tmp_path, caplog):
     s.queue_file(12, 1, 3, 4, b"a/next", 1)                   # and the store goes on
     assert s.commit(s.take_batch(), durable=False) == 0
     s.close(clean=True)
+
+
+def test_times_of_any_size_round_trip(tmp_path):
+    """Nanosecond times past 2262 (ext4 and XFS keep up to 2446, btrfs more) and before
+    1843 (btrfs) do not fit the wrapping the version before used: 2440 came back as 1855
+    and a remount took the file for changed on BACKING. A value that version wrote (a time
+    past 2262, wrapped) is still read as it was meant."""
+    times = [0, -2_147_483_648 * 10**9, 10_413_792_000 * 10**9, 14_831_769_600 * 10**9,
+             (1 << 63) - 1, 1 << 63, 32_503_680_000 * 10**9, -5_364_662_400 * 10**9]
+    s = _open(tmp_path)
+    for i, t in enumerate(times):
+        s.queue_file(i + 1, 1, t, -t, b"f%d" % i, 1)
+    assert s.commit(s.take_batch(), durable=True) == 0
+    late = 10_413_792_000 * 10**9
+    with s._lock:                                   # a row as the version before wrote it
+        s._db.execute("INSERT INTO files VALUES (99, 1, ?, 0, NULL, 1)", (late - (1 << 64),))
+        s._db.commit()
+    s.close(clean=True)
+    files, _ = _open(tmp_path).load()
+    assert [files[i + 1][1:3] for i in range(len(times))] == [(t, -t) for t in times]
+    assert files[99][1] == late
