@@ -91,6 +91,12 @@ class Allocations:
         self._forget_clean(cf, off, min(end, cf.size))  # readers go to BACKING meanwhile
         try:
             _, backing_size = await self._backing_fallocate(of, mode, off, end - off)
+            top = min(end, cf.size)
+            if backing_size < top and self._dirty_whole(cf, max(off, backing_size), top):
+                # Dirty blocks past BACKING's end (written here, not destaged yet: the
+                # common case, generic/539): BACKING is made as long as the range first,
+                # the new part a hole, so that they can go from the cache too.
+                backing_size = await self._extend_backing(of, top)
             whole = min(end, cf.size, backing_size)
             if self._dirty_whole(cf, off, whole):
                 # Dirty blocks wholly in the range, within BACKING's file: BACKING has their
@@ -110,6 +116,20 @@ class Allocations:
         self._zero_dirty(cf, off, min(end, cf.size))    # the dirty blocks left: zeros
         if cf.dirty_exts:                       # a later destage must not move the mtime
             self._s.written_now(cf)
+
+    async def _extend_backing(self, of: OpenFile, size: int) -> int:
+        """Write-back: BACKING's file, shorter than the file is here, made `size` long (a
+        hole), as an own change that keeps the file's size here; BACKING's size after it."""
+        cf = of.cfile
+        cf.writes_inflight += 1
+        cf.backing_unsynced = True
+        try:
+            st = await self.backing.write_call(bp.truncate_stat, self.backing.root_fd, b"",
+                                               of.backing_fd, size)
+        finally:
+            cf.writes_inflight -= 1
+        self._c.own_change(cf, st, size_exact=False)    # (dirty data: the size stays)
+        return st.st_size
 
     def _forget_clean(self, cf, off: int, end: int) -> None:
         for e, _, _, m in spans(off, end):

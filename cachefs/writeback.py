@@ -99,7 +99,10 @@ def plan_destage(cf: "CachedFile", max_bytes: int, start_ext: int = 0
                 end = out[-1][0] + out[-1][1]
                 # Bridge a short gap of clean valid blocks (BACKING already has those
                 # bytes): one larger write costs little more than a small one on a disk.
-                if end == s or (s - end <= MERGE_GAP and cf.all_valid(end, s)):
+                # Not across blocks of zeros: BACKING may have a hole there (a punch, a
+                # sparse file), which the write of those zeros filled.
+                if end == s or (s - end <= MERGE_GAP and cf.all_valid(end, s)
+                                and not _zeros_in(cf, end, s)):
                     total += s - end
                     out[-1] = (out[-1][0], t - out[-1][0])
                     total += t - s
@@ -109,6 +112,21 @@ def plan_destage(cf: "CachedFile", max_bytes: int, start_ext: int = 0
         if total >= max_bytes:
             break
     return plan, out
+
+
+_ZERO_SUM = block_sum(bytes(BLK_SIZE))
+
+
+def _zeros_in(cf: "CachedFile", off: int, end: int) -> bool:
+    """Does [off, end) (block-aligned, valid) hold a block whose checksum is that of zeros?"""
+    for e in range(off >> EXT_SHIFT, ((end - 1) >> EXT_SHIFT) + 1):
+        x = cf.extents[e]
+        base = e << EXT_SHIFT
+        m = block_mask(max(off, base) - base, min(end - base, EXT_SIZE)) & x.summed
+        if m and x.sums is not None and any(x.sums[b] == _ZERO_SUM
+                                            for b in range(BLKS_PER_EXT) if m >> b & 1):
+            return True
+    return False
 
 
 class Engine(Protocol):

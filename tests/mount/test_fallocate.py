@@ -330,3 +330,46 @@ def test_a_punch_of_dirty_blocks_leaves_backing_its_hole(make_mount):
     m.stop()
     m.start()
     assert m.path("f").read_bytes() == data
+
+
+def test_a_punch_of_a_new_files_dirty_blocks_leaves_backing_its_holes(make_mount):
+    """Write-back, the usual case of generic/539: a file written through the mount and not
+    destaged yet (BACKING's file shorter than the data), then punched in the middle and at
+    its end (keeping the size). The dirty blocks past BACKING's end got zeros and were
+    destaged: SEEK_DATA on the mount found no hole and BACKING got none. Now BACKING is
+    made as long as the range (a hole) and they go from the cache; the size stays."""
+    m = make_mount("--mode", "write-back", "--max-dirty-age", "300")
+    if not fallocate_works(m.mnt):
+        pytest.skip("pyfuse3 without deps/passthrough's fallocate patch")
+    data = bytearray(os.urandom(1024 * KiB))
+    fd = os.open(m.path("f"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert os.pwrite(fd, data, 0) == len(data)                  # all dirty
+        assert os.fstat(os.open(m.backing / "f", os.O_RDONLY)).st_size < len(data)
+        fallocate(fd, PUNCH | KEEP, 4 * KiB, 4 * KiB)               # generic/539's
+        fallocate(fd, PUNCH | KEEP, 512 * KiB, 512 * KiB)           # the whole tail
+        data[4 * KiB:8 * KiB] = bytes(4 * KiB)
+        data[512 * KiB:] = bytes(512 * KiB)
+        assert os.lseek(fd, 4 * KiB, os.SEEK_DATA) == 8 * KiB
+        assert os.lseek(fd, 8 * KiB, os.SEEK_HOLE) == 512 * KiB
+        assert os.fstat(fd).st_size == len(data)
+        assert pread_all(fd, len(data)) == data
+    finally:
+        os.close(fd)
+    m.stop()                                        # the dirty data stays on the SSD
+    m.start()
+    # The reads cached the hole's zeros as clean blocks between dirty ones: a destage pass
+    # wrote them along with their neighbours (one write across a short gap), filling the
+    # hole again. Blocks of zeros are not bridged now.
+    assert m.path("f").read_bytes() == data
+    ctl_flush(m)
+    assert (m.backing / "f").read_bytes() == data
+    bfd = os.open(m.backing / "f", os.O_RDONLY)
+    try:
+        assert os.lseek(bfd, 4 * KiB, os.SEEK_HOLE) == 4 * KiB      # BACKING's holes
+        assert os.lseek(bfd, 4 * KiB, os.SEEK_DATA) == 8 * KiB
+        assert os.lseek(bfd, 8 * KiB, os.SEEK_HOLE) == 512 * KiB
+        assert os.fstat(bfd).st_size == len(data)
+    finally:
+        os.close(bfd)
+    assert m.path("f").read_bytes() == data
