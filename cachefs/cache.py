@@ -26,7 +26,7 @@ from .integrity import recheck
 from .hit import OpenFile
 from .namespace import Namespace
 from .readpath import ReadPath
-from .state import UNLINKING, CacheState
+from .state import ABANDONED, UNLINKING, CacheState
 from .stats import Stats
 from .store import MetadataStore
 from .writeback import Destager, plan_destage
@@ -351,6 +351,11 @@ class Cache:
         plan = plan_destage(cf, max_bytes, start_ext)
         cf.writes_inflight += 1
         return plan
+
+    def destage_abandoned(self, cf: CachedFile) -> None:
+        """The unmount left a destage pass of `cf` to its thread, which may still write
+        BACKING's file after the last commit (CacheState.load)."""
+        self.store.queue_meta(f"{ABANDONED}{cf.ino}", "1")
 
     def destage_failed(self, cf: CachedFile, st: os.stat_result | None = None) -> None:
         """The pass failed; `st`: BACKING's stat after it (part of it may be there)."""

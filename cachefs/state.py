@@ -40,6 +40,7 @@ log = logging.getLogger("cachefs.cache")
 UNLINKING = "unlinking:"     # meta key prefix of an unlink intent (see store.py)
 MAPPED = "mapped:"           # meta key prefix: a held file mapped shared and writable
 CUTS = "cut:"                # meta key prefix: a write-back shrink BACKING may not have yet
+ABANDONED = "abandoned:"     # meta key prefix: a destage pass the unmount left to its thread
 CLOCK_REALTIME_COARSE = 5        # Linux: the clock file systems stamp times from
 TIMES = "times:"             # meta key prefix of the times awaiting a destage (set_times)
 CAPS = "caps:"               # meta key prefix of a capability awaiting a destage (set_caps)
@@ -156,6 +157,14 @@ class CacheState:
                 self.store.queue_meta(key, None)
         for key, value in self.store.meta_items(CUTS).items():
             self._complete_cut(key, value)
+        for key in self.store.meta_keys(ABANDONED):
+            # The unmount cut a destage pass of this file off; its thread went on writing
+            # BACKING after the last commit. Its new size and times are cachefs's own, as
+            # after an unclean stop (each remount reported a conflict: xfstests generic/464).
+            cf = self.files.get(int(key[len(ABANDONED):]))
+            if cf is not None:
+                cf.recovered = True
+            self.store.queue_meta(key, None)
         # Files whose last name was going when the daemon stopped are settled first: gone,
         # their data went with them (a deletion the program asked for, not a drop: it was
         # logged as an orphan's dirty data discarded, when ext4 had given the number to a

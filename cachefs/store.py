@@ -55,6 +55,9 @@ SCHEMA_VERSION = 5
 #                -t) on inode INO while it had dirty data; each destage pass of the file
 #                puts them back on BACKING after writing the data; deleted once it is clean
 #   lifetime.since  (float text) wall time (epoch seconds) the lifetime totals started
+#   abandoned:INO  '1': the unmount left a destage pass of inode INO to its thread, which may
+#                have changed BACKING's file after this commit; the next mount takes that
+#                change for cachefs's own (as after an unclean stop) and deletes the key
 # files: one row per BACKING inode with cached data.
 #   ino          BACKING st_ino (also the FUSE inode number and the cache file's name)
 #   size, mtime_ns, ctime_ns   BACKING's identity when the extents below were valid; a file

@@ -147,6 +147,7 @@ class Engine(Protocol):
     def destage_plan(self, cf: "CachedFile", max_bytes: int, start_ext: int = 0
                      ) -> "tuple[list[tuple[Extent, int]], list[tuple[int, int]]]": ...
     def destage_failed(self, cf: "CachedFile", st: os.stat_result | None = None) -> None: ...
+    def destage_abandoned(self, cf: "CachedFile") -> None: ...
     async def persist(self, durable: bool = False) -> None: ...
     def destage_done(self, cf: "CachedFile", plan: "list[tuple[Extent, int]]",
                      st: os.stat_result, snapshot_s: float) -> None: ...
@@ -408,7 +409,10 @@ class Destager:
                         if isinstance(exc, trio.Cancelled):
                             # (the unmount) The abandoned thread may still write through
                             # wb_fd: never closed, so its number cannot name another file.
+                            # BACKING's file changes after the last commit: the next mount
+                            # must take that for its own (a conflict every time, generic/464).
                             cf.wb_fd = -1
+                            cache.destage_abandoned(cf)
                         raise
                     # Part of the pass may be in BACKING (its size and times moved): ours,
                     # not a change behind the cache to drop data for at the next open.
