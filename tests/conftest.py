@@ -398,21 +398,24 @@ def pread_aligned(fd: int, size: int, off: int) -> bytes:
         buf.close()
 
 
+def dio_align_of(directory: Path) -> tuple[int, int]:
+    """The O_DIRECT alignment (memory, offset) the filesystem of `directory` states (statx
+    STATX_DIOALIGN), (0, 0) where it states none."""
+    from cachefs.statx import dio_align
+    fd, name = tempfile.mkstemp(dir=directory)
+    try:
+        return dio_align(fd)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
 def direct_passthrough(m: Mount) -> bool:
     """Can an O_DIRECT read-only open of this mount go passthrough? Only where BACKING's
-    filesystem and the cache's both state their direct I/O alignment (statx STATX_DIOALIGN)
-    and the cache's is no stricter (cachefs/openmode.py, _direct_ok): ext4 and XFS do;
-    btrfs (Linux 6.18) and tmpfs state none, and their O_DIRECT opens stay on the daemon."""
-    from cachefs.statx import dio_align
-    aligns = []
-    for d in (m.backing, m.cache):
-        fd, name = tempfile.mkstemp(dir=d)
-        try:
-            aligns.append(dio_align(fd))
-        finally:
-            os.close(fd)
-            os.unlink(name)
-    (b_mem, b_off), (c_mem, c_off) = aligns
+    filesystem and the cache's both state their direct I/O alignment and the cache's is no
+    stricter (cachefs/openmode.py, _direct_ok): ext4 and XFS do; btrfs (Linux 6.18) and
+    tmpfs state none, and their O_DIRECT opens stay on the daemon."""
+    (b_mem, b_off), (c_mem, c_off) = dio_align_of(m.backing), dio_align_of(m.cache)
     return 0 < c_mem <= b_mem and 0 < c_off <= b_off
 
 

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.statx import dio_align
-from tests.conftest import (CACHEFS, CTL, ctl_drop, ctl_flush, direct_passthrough, pread_aligned,
-                            unmount_when_released, wait_until)
+from tests.conftest import (CACHEFS, CTL, ctl_drop, ctl_flush, dio_align_of, direct_passthrough,
+                            pread_aligned, unmount_when_released, wait_until)
 
 pytestmark = pytest.mark.fuse
 
@@ -76,16 +75,6 @@ def read_all(path, direct: bool = False) -> bytes:
             off += len(chunk)
     finally:
         os.close(fd)
-
-
-def cache_dio_align(m) -> tuple[int, int]:
-    """The O_DIRECT alignment the cache's filesystem states, (0, 0) where it states none."""
-    fd, name = tempfile.mkstemp(dir=m.cache)
-    try:
-        return dio_align(fd)
-    finally:
-        os.close(fd)
-        os.unlink(name)
 
 
 def cache_fully(m, name: str, size: int) -> None:
@@ -778,7 +767,7 @@ def test_o_direct_goes_passthrough_only_where_backing_is_as_strict(make_mount):
             try:
                 assert (m.stats()["passthrough_opens"] > before) == passthrough, name
                 assert pread_aligned(fd, MiB, 0) == data
-                if passthrough and cache_dio_align(m) != (0, 0):
+                if passthrough and dio_align_of(m.cache) != (0, 0):
                     with pytest.raises(OSError) as err:
                         os.pread(fd, 100, 1)                # unaligned: refused
                     assert err.value.errno == errno.EINVAL
