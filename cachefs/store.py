@@ -593,25 +593,27 @@ class MetadataStore:
         left_out: list[tuple[str, tuple]] = []
         try:
             db.execute("BEGIN")
-            for table, sql, rows in (
-                    ("extents", "DELETE FROM extents WHERE ino=?", [(i,) for i in dropped]),
-                    ("files", "DELETE FROM files WHERE ino=?", [(i,) for i in dropped]),
+            same = tuple                        # (rows stored as they are)
+            for table, sql, rows, stored in (
+                    ("extents", "DELETE FROM extents WHERE ino=?", [(i,) for i in dropped],
+                     same),
+                    ("files", "DELETE FROM files WHERE ino=?", [(i,) for i in dropped], same),
                     ("files", "INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
-                     [(ino, *v) for ino, v in files.items()]),
+                     [(ino, *v) for ino, v in files.items()], _file_row),
                     ("extents", "DELETE FROM extents WHERE ino=? AND ext=?",
-                     [k for k, v in extents.items() if v is None]),
+                     [k for k, v in extents.items() if v is None], same),
                     ("extents", "INSERT OR REPLACE INTO extents VALUES (?, ?, ?, ?, ?, ?)",
-                     [(*k, *v) for k, v in extents.items() if v is not None]),
+                     [(*k, *v) for k, v in extents.items() if v is not None], same),
                     ("meta", "INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                     [(k, v) for k, v in meta.items() if v is not None]),
+                     [(k, v) for k, v in meta.items() if v is not None], same),
                     ("meta", "DELETE FROM meta WHERE key=?",
-                     [(k,) for k, v in meta.items() if v is None])):
+                     [(k,) for k, v in meta.items() if v is None], same)):
                 if not row_by_row:
-                    db.executemany(sql, map(_file_row, rows) if "INTO files" in sql else rows)
+                    db.executemany(sql, map(stored, rows))
                     continue
                 for row in rows:
                     try:
-                        db.execute(sql, _file_row(row) if "INTO files" in sql else row)
+                        db.execute(sql, stored(row))
                     except _UNSTORABLE as exc:
                         if not _unstorable(exc):
                             raise
